@@ -1,0 +1,500 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) built from tensor-parallel layers.
+
+The architecture
+----------------
+Every model in this family is the same pre-norm decoder:
+
+    h   = embed(tokens)
+    for each layer:
+        h = h + o_proj(attention(rope(q), rope(k), v))      q, k, v = qkv_proj(rmsnorm(h))
+        h = h + down_proj(silu(gate) * up)                  gate, up = gate_up_proj(rmsnorm(h))
+    logits = lm_head(rmsnorm(h))
+
+The families differ only in small switches, all read from the HF `config.json`: a bias on
+q/k/v (Qwen2), an RMSNorm on each head of q and k (Qwen3), a head_dim that is not
+hidden/heads (Qwen3), grouped-query attention (fewer k/v heads than q heads, each k/v head
+shared by a group of q heads), the RoPE base and the Llama-3 frequency rescaling, and whether
+the LM head shares the embedding matrix (tied).
+
+RoPE rotates each (x_i, x_{i+d/2}) pair of a q or k head by the angle pos * theta^(-2i/d); the
+dot product q.k then depends only on the distance between the two positions. Llama 3 divides
+the low frequencies by `factor` and blends the middle band, to stretch the context.
+
+Shapes and parallelism
+----------------------
+Tokens travel *packed*: a batch of sequences is one [T] vector with `cu_seqlens` marking the
+boundaries and `position_ids` restarting at 0 for each sequence, so no compute is spent on
+padding. Attention is causal within each sequence and blind across them. Three backends give
+the same numbers: `flash_attn` when installed, PyTorch's `varlen_attn` on CUDA, and SDPA with
+a block-diagonal causal mask elsewhere (CPU).
+
+With tensor parallelism a rank holds heads/tp of the heads and intermediate/tp of the MLP
+(see parallel.py); with pipeline parallelism it holds a contiguous slice of the layers, the
+embedding only on the first stage and the final norm and head only on the last. Generation
+uses two more paths against a static KV cache: `prefill` (packed prompts, writing their k/v)
+and `decode` (one token for each cache row, attending to the row's past).
+"""
+from __future__ import annotations
+
+import glob
+import inspect
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel import ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, stage_layers
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3"}
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    raw: dict | None = None  # the config.json it came from (export writes it back)
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        f = os.path.join(path, "config.json")
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"model directory {path!r} has no config.json")
+        with open(f) as fh:
+            return cls.from_hf(json.load(fh), source=f)
+
+    @classmethod
+    def from_hf(cls, c: dict, source: str = "config.json") -> "ModelConfig":
+        arch = (c.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED:
+            raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}")
+        # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ("default", "llama3"):
+            raise ValueError(f"{source}: rope type {rtype!r} is not supported; supported: default, llama3")
+        heads = c["num_attention_heads"]
+        sw = c.get("sliding_window") if c.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                   intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+                   num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                   rope_theta=float(theta), rope_scaling=rope if rtype == "llama3" else None,
+                   attention_bias=c.get("attention_bias", arch == "Qwen2ForCausalLM"),
+                   qk_norm=arch == "Qwen3ForCausalLM", tie_word_embeddings=c.get("tie_word_embeddings", False),
+                   max_position_embeddings=c.get("max_position_embeddings", 4096), sliding_window=sw,
+                   architecture=arch, raw=c)
+
+    def num_params(self, with_embedding: bool = True) -> int:
+        """Matrix parameters N of the model (norms and biases are negligible); MFU uses N without the
+        input embedding."""
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * d * self.intermediate_size
+        n = self.num_layers * layer + self.vocab_size * d  # LM head (the tied case counts it once)
+        return n + (self.vocab_size * d if with_embedding and not self.tie_word_embeddings else 0)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.weight.tp_dim, self.weight.tp_parts = None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 and cast back before the scale, as transformers does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s:  # Llama 3: scale long wavelengths by 1/factor, keep short ones, blend in between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, blended))
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d/2] (fp32). The rotate-half convention of HF checkpoints."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- attention backends
+
+
+def _flash_attn():
+    try:
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except ImportError:
+        return None
+
+
+FLASH_ATTN = _flash_attn()
+try:
+    from torch.nn.attention.varlen import varlen_attn as TORCH_VARLEN
+    _VARLEN_PARAMS = inspect.signature(TORCH_VARLEN).parameters
+except ImportError:
+    TORCH_VARLEN, _VARLEN_PARAMS = None, {}
+
+
+def attention_backend(device: torch.device, requested: str = "auto") -> str:
+    """'flash' (flash_attn), 'varlen' (torch varlen_attn, CUDA) or 'sdpa'; 'auto' takes the first available."""
+    avail = ["sdpa"]
+    if device.type == "cuda" and TORCH_VARLEN is not None:
+        avail.insert(0, "varlen")
+    if device.type == "cuda" and FLASH_ATTN is not None:
+        avail.insert(0, "flash")
+    if requested == "auto":
+        return avail[0]
+    if requested not in avail:
+        raise ValueError(f"attention backend {requested!r} is not available on {device}; available: {avail}")
+    return requested
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window: int | None = None):
+    """Causal attention inside each packed sequence. q [T, H, d], k/v [T, Hkv, d] -> [T, H, d]."""
+    if window is not None and max_seqlen > window:
+        raise ValueError(f"sequence of {max_seqlen} tokens exceeds the model's sliding_window={window}; "
+                         "sliding-window attention is not implemented")
+    scale = q.shape[-1] ** -0.5
+    if backend == "flash":
+        return FLASH_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
+    if backend == "varlen":
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+        if "is_causal" in _VARLEN_PARAMS:  # torch <= 2.11 spells causality this way
+            return TORCH_VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, is_causal=True,
+                                scale=scale, **gqa)
+        return TORCH_VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0),
+                            scale=scale, **gqa)
+    # SDPA over the whole pack with a block-diagonal causal mask: O(T^2) memory, meant for CPU
+    T = q.shape[0]
+    seq_id = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device),
+                                     (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=T)
+    idx = torch.arange(T, device=q.device)
+    mask = (seq_id[:, None] == seq_id[None, :]) & (idx[:, None] >= idx[None, :])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(q, k_cache, v_cache, lengths):
+    """One new query per cache row. q [B, H, d]; caches [B, Hkv, L, d]; row b attends to its first
+    lengths[b] positions. Written as two batched matmuls so it is CUDA-graph friendly."""
+    B, H, d = q.shape
+    hkv, L = k_cache.shape[1], k_cache.shape[2]
+    qg = q.view(B, hkv, H // hkv, d)
+    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d ** -0.5  # [B, hkv, g, L]
+    valid = torch.arange(L, device=q.device)[None, :] < lengths[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache)  # [B, hkv, g, d]
+    return out.reshape(B, H, d)
+
+
+@dataclass
+class AttnContext:
+    """How the tokens of one forward are arranged and where (if anywhere) their k/v go.
+
+    train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token,
+    the cache row `slots` it belongs to (positions come from position_ids).  decode: `cache`,
+    one token per cache row 0..B-1, and `lengths` = tokens in each row after this one is written.
+    """
+
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    cache: "KVCache | None" = None
+    slots: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # set by Transformer.forward
+    backend: str = "sdpa"
+
+
+class KVCache:
+    """Static per-layer k/v buffers [layers, rows, Hkv_local, max_len, d]: row b holds one sequence."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (num_layers, rows, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Share a prefilled prompt: copy the first `length` positions of rows src into rows dst."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype) -> int:
+        return 2 * num_layers * (cfg.num_kv_heads // tp) * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: Layout, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        tp, hd = layout.tp, cfg.head_dim
+        self.layer_idx = layer_idx  # index inside this stage (the KV cache's layer axis)
+        self.h, self.hkv, self.hd, self.window = cfg.num_heads // tp, cfg.num_kv_heads // tp, hd, cfg.sliding_window
+        parts = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(parts), cfg.attention_bias, layout, parts, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, False, layout, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
+            # shared across heads while each TP rank sees only its heads: the grads are partial sums
+            self.q_norm.weight.tp_partial_grad = self.k_norm.weight.tp_partial_grad = True
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, ctx: AttnContext):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+        q, k, v = q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), v.view(T, self.hkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        c = ctx.cache
+        if ctx.lengths is not None:  # decode: token b is the next token of cache row b
+            rows = torch.arange(T, device=x.device)
+            c.k[self.layer_idx, rows, :, ctx.lengths - 1] = k
+            c.v[self.layer_idx, rows, :, ctx.lengths - 1] = v
+            o = decode_attention(q, c.k[self.layer_idx, :T], c.v[self.layer_idx, :T], ctx.lengths)
+        else:
+            if c is not None:  # prefill: remember this prompt's k/v for the decode steps
+                c.k[self.layer_idx, ctx.slots, :, ctx.positions] = k
+                c.v[self.layer_idx, ctx.slots, :, ctx.positions] = v
+            o = varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.backend, self.window)
+        return self.o_proj(o.reshape(T, self.h * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: Layout, dtype=None, device=None):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * i, False, layout, [i, i], dtype, device)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, layout, dtype, device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: Layout, layer_idx: int, dtype=None, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, layout, layer_idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, layout, dtype, device)
+
+    def forward(self, x, cos, sin, ctx: AttnContext):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """One pipeline stage of the decoder, tensor-parallel over `layout.tp_group`.
+
+    forward() takes token ids on the first stage (hidden states [T, D] on the others) and returns
+    hidden states; on the last stage they are final-normed, and `logits()` / `values()` turn them
+    into vocab-parallel logits [T, V/tp] (fp32) or scalar values [T].
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: Layout | None = None, dtype=torch.float32, device=None,
+                 value_head: bool = False, lm_head: bool = True):
+        super().__init__()
+        layout = layout or Layout()
+        self.cfg, self.layout = cfg, layout
+        self.layer_start, self.layer_end = stage_layers(cfg.num_layers, layout.pp, layout.pp_rank)
+        kw = dict(dtype=dtype, device=device)
+        first, last = layout.is_first_stage, layout.is_last_stage
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw) if first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, i, **kw)
+                                    for i in range(self.layer_end - self.layer_start))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if last else None
+        self.lm_head = None
+        if last and lm_head:
+            if cfg.tie_word_embeddings and first:
+                self.lm_head = self.embed_tokens  # the same Parameter: counted once, updated once
+            else:
+                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw)
+        self.value_head = nn.Linear(cfg.hidden_size, 1, **kw) if (last and value_head) else None
+        if self.value_head is not None:
+            for p in self.value_head.parameters():
+                p.tp_dim, p.tp_parts = None, None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.gradient_checkpointing = False
+        self.attn_backend = attention_backend(torch.device(device or "cpu"))
+
+    # --- forward passes
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        ctx.positions, ctx.backend = position_ids, self.attn_backend
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, ctx)
+        return self.norm(x) if self.norm is not None else x
+
+    def packed(self, x, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
+        """Training and log-prob path: packed sequences, no cache."""
+        return self(x, position_ids, AttnContext(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen)))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits, in fp32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.value_head(hidden).squeeze(-1).float()
+
+    # --- construction
+    def hf_names(self, name: str) -> list[str]:
+        """The HF checkpoint tensor(s) behind one of our parameters (fused ones map to several)."""
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            pre = f"model.layers.{self.layer_start + int(i)}."
+            for fused, pieces in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                  ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+                if rest.startswith(fused):
+                    mod, kind = fused.rsplit(".", 1)[0], rest.rsplit(".", 1)[1]
+                    return [f"{pre}{mod}.{p}.{kind}" for p in pieces]
+            return [pre + rest]
+        if name.startswith("lm_head."):
+            return ["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+        if name.startswith("value_head."):
+            return [name]  # critic-only: not in an HF causal-LM checkpoint
+        return ["model." + name]
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Seeded random weights that do not depend on the layout: every full tensor is drawn from its
+        own generator, then sliced like a checkpoint would be."""
+        for name, p in self.named_parameters():
+            full = []
+            for j, hf in enumerate(self.hf_names(name)):
+                g = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, hf)) * 7919 + j)
+                shape = list(p.shape)
+                if p.tp_dim is not None:
+                    shape[p.tp_dim] = p.tp_parts[j]
+                full.append(torch.randn(shape, generator=g) * std if p.dim() > 1 else
+                            (torch.ones(shape) if "norm" in hf else torch.zeros(shape)))
+            with torch.no_grad():
+                p.copy_(self._local_slice(p, full))
+
+    def _local_slice(self, p, full: list[torch.Tensor]) -> torch.Tensor:
+        if p.tp_dim is None:
+            return full[0]
+        t, r = self.layout.tp, self.layout.tp_rank
+        return torch.cat([f.narrow(p.tp_dim, r * f.shape[p.tp_dim] // t, f.shape[p.tp_dim] // t) for f in full],
+                         dim=p.tp_dim)
+
+    def load_hf(self, path: str) -> None:
+        """Read this rank's slices straight from the safetensors files (never the whole model)."""
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        else:
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights "
+                                        "(nor model.safetensors.index.json)")
+            where = {}
+            for fn in files:
+                with safe_open(fn, "pt") as f:
+                    where.update({k: fn for k in f.keys()})
+        handles: dict[str, object] = {}
+        t, r = self.layout.tp, self.layout.tp_rank
+        for name, p in self.named_parameters():
+            names = self.hf_names(name)
+            if name.startswith("value_head."):
+                continue  # a fresh critic head; train.py initialises it
+            pieces = []
+            for j, hf in enumerate(names):
+                if hf not in where:
+                    raise KeyError(f"{path}: tensor {hf!r} (for {name}) is not in the checkpoint")
+                fn = where[hf]
+                if fn not in handles:
+                    handles[fn] = safe_open(fn, "pt")
+                sl = handles[fn].get_slice(hf)
+                shape = list(sl.get_shape())
+                want = list(p.shape)
+                if p.tp_dim is not None:
+                    want[p.tp_dim] = p.tp_parts[j]
+                if shape != want:
+                    raise ValueError(f"{fn}: tensor {hf!r} has shape {shape}, expected {want} from config.json")
+                if p.tp_dim is None:
+                    pieces.append(sl[:])
+                else:
+                    n = shape[p.tp_dim] // t
+                    pieces.append(sl[r * n:(r + 1) * n] if p.tp_dim == 0 else sl[:, r * n:(r + 1) * n])
+            with torch.no_grad():
+                p.copy_(torch.cat(pieces, dim=p.tp_dim or 0))
+
+
+def load_model(path: str, layout: Layout | None = None, dtype=torch.float32, device=None, random_init: bool = False,
+               seed: int = 0, value_head: bool = False, lm_head: bool = True) -> Transformer:
+    """Build this rank's stage of the model in `path` and fill it (checkpoint weights, or seeded random)."""
+    cfg = ModelConfig.from_dir(path)
+    model = Transformer(cfg, layout, dtype=dtype, device=device, value_head=value_head, lm_head=lm_head)
+    if random_init:
+        model.init_random(seed)
+    else:
+        model.load_hf(path)
+    if model.value_head is not None:
+        with torch.no_grad():  # small init so the critic starts near zero
+            g = torch.Generator().manual_seed(seed + 17)
+            model.value_head.weight.copy_(torch.randn(model.value_head.weight.shape, generator=g) * 1e-3)
+            model.value_head.bias.zero_()
+    return model

@@ -1,0 +1,287 @@
+"""Rule-based rewards: turn a generated response into a number.
+
+RL post-training on reasoning tasks needs no learned reward model: the answer is
+pulled out of the response with a fixed rule and compared with the ground truth.
+Every scorer has verl's signature
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+where `data_source` (a column of the dataset) picks the rule, and a dict result
+carries "score" plus extra per-sample numbers to log (e.g. "acc").
+
+The rules:
+  openai/gsm8k   strict: the last "#### <number>" in the last 300 characters of the
+                 response; flexible: the last number anywhere. Commas and "$" are
+                 dropped, then the strings are compared exactly, as verl does ("72.0"
+                 does not match "72"; the reference answers are all integers).
+  MATH           the last \\boxed{...} (or \\fbox{...}, braces balanced) is normalized
+                 (\\dfrac -> \\frac, \\frac12 -> \\frac{1}{2}, units, \\left/\\right, ...) and
+                 compared with the normalized ground truth; two plain numbers or
+                 simple fractions are compared exactly as rationals (0.5 == \\frac{1}{2}).
+  math_dapo      DAPO's rule: the text after the last "Answer:" in the last 300
+                 characters, +1 if equivalent to the ground truth else -1, returned as
+                 {"score", "acc", "pred"}. Also used for "aime*" data sources.
+  synthetic/*    toy tasks from data.py: the stripped response must start with the
+                 ground truth ("add" also requires that no digit follows).
+
+`load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same
+signature, and `score_batch` runs a scorer over a batch without letting one bad
+sample crash the run.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import numbers
+import os
+import re
+from fractions import Fraction
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- GSM8K
+
+_SOLUTION_CLIP_CHARS = 300  # the final answer sits at the end; also bounds regex time on runaway outputs
+
+
+def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
+    """The final answer string: the last "#### N" (strict) or the last number (flexible), or None."""
+    text = solution_str[-_SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = re.findall(r"#### \$?(-?[0-9.,]+)", text)
+    elif method == "flexible":
+        found = [f for f in re.findall(r"-?[0-9.,]+", text) if f.strip(".,-")]
+    else:
+        raise ValueError(f"unknown gsm8k method {method!r}; valid: strict, flexible")
+    if not found:
+        return None
+    return found[-1].replace(",", "").replace("$", "").rstrip(".")  # "18." ends a sentence
+
+
+def gsm8k_score(
+    solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
+    """`score` if the extracted answer equals the ground truth as a string, `format_score` if an
+    answer was found but differs, 0 if none was found."""
+    answer = gsm8k_extract(solution_str, method)
+    if answer is None:
+        return 0.0
+    return score if answer == ground_truth.strip().replace(",", "") else format_score
+
+
+# --------------------------------------------------------------------------- MATH
+
+
+def last_boxed_only_string(text: str) -> str | None:
+    """The last "\\boxed{...}" / "\\fbox{...}" with balanced braces (or "\\boxed x" up to "$"), or None."""
+    idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if idx < 0:
+        return None
+    if text.startswith("\\boxed ", idx):
+        return "\\boxed " + text[idx + len("\\boxed "):].split("$")[0]
+    depth = 0
+    for j in range(idx, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[idx:j + 1]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+def remove_boxed(boxed: str) -> str:
+    """"\\boxed{x}" -> "x" (also \\fbox{x} and "\\boxed x")."""
+    for prefix in ("\\boxed ", "\\boxed{", "\\fbox{"):
+        if boxed.startswith(prefix):
+            return boxed[len(prefix):] if prefix.endswith(" ") else boxed[len(prefix):-1]
+    return boxed
+
+
+def _fix_fracs(s: str) -> str:
+    """\\frac12 -> \\frac{1}{2}, \\frac1{2} -> \\frac{1}{2}, \\frac{1}2 -> \\frac{1}{2}."""
+    s = re.sub(r"\\frac(?=[^{])(\\?[0-9a-zA-Z])", r"\\frac{\1}", s)  # first argument written bare
+    return re.sub(r"(\\frac\{[^{}]*\})([0-9a-zA-Z])", r"\1{\2}", s)  # second argument written bare
+
+
+def _unwrap_text(s: str) -> str:
+    """Drop a trailing unit "\\text{ cm}" / "\\mbox{...}" after a value; unwrap "\\text{word}" alone."""
+    s = re.sub(r"^(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]*\}(\^\{?\d\}?)?$", r"\1", s)
+    return re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
+
+
+def strip_math_string(s: str) -> str:
+    """Normalize a MATH answer so that equal answers usually become equal strings."""
+    s = s.strip().replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
+    s = re.sub(r"\^\{?\\circ\}?", "", s).replace("°", "")
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
+    s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
+    s = _unwrap_text(s).strip().rstrip(".").strip()
+    if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
+        s = s.split("=")[1]
+    s = s.replace(" ", "")
+    s = re.sub(r"\\sqrt(?=[^{])(\\?[0-9a-zA-Z])", r"\\sqrt{\1}", s)
+    s = _fix_fracs(s)
+    s = re.sub(r"\^([0-9a-zA-Z])", r"^{\1}", s)  # LaTeX reads x^23 as x^{2}3
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators, not a tuple
+        s = s.replace(",", "")
+    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
+    if m:
+        s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
+    s = re.sub(r"(?<![0-9])\.(?=[0-9])", "0.", s)  # .5 -> 0.5
+    s = re.sub(r"(\d)\.0+(?![0-9])", r"\1", s)  # 72.0 -> 72
+    return s
+
+
+def _as_rational(s: str) -> Fraction | None:
+    """A normalized answer as an exact rational when it is a number or \\frac of two integers."""
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}", s)
+    try:
+        if m:
+            value = Fraction(int(m.group(2)), int(m.group(3)))
+            return -value if m.group(1) else value
+        return Fraction(s) if re.fullmatch(r"-?\d+(\.\d+)?", s) else None
+    except ZeroDivisionError:
+        return None
+
+
+def is_equiv(a: str | None, b: str | None) -> bool:
+    """Two MATH answers are equal after normalization, as strings or as exact rationals."""
+    if a is None or b is None:
+        return False
+    sa, sb = strip_math_string(a), strip_math_string(b)
+    if sa == sb:
+        return True
+    ra, rb = _as_rational(sa), _as_rational(sb)
+    return ra is not None and ra == rb
+
+
+def math_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the last boxed answer of the response equals the ground truth, else 0.0."""
+    boxed = last_boxed_only_string(solution_str)
+    if boxed is None:
+        return 0.0
+    if "\\boxed" in ground_truth or "\\fbox" in ground_truth:
+        ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)
+    return 1.0 if is_equiv(remove_boxed(boxed), ground_truth) else 0.0
+
+
+def math_dapo_score(solution_str: str, ground_truth: str) -> dict:
+    """DAPO: pred = text after the last "Answer:" (case-insensitive) in the last 300 characters;
+    score +1.0 if it is equivalent to the ground truth, else -1.0 (also when no answer is given)."""
+    found = re.findall(r"(?i)answer\s*:\s*([^\n]+)", solution_str[-_SOLUTION_CLIP_CHARS:])
+    pred = found[-1].strip() if found else "[INVALID]"
+    boxed = last_boxed_only_string(pred)
+    pred = strip_math_string(remove_boxed(boxed) if boxed else pred)
+    correct = bool(found) and is_equiv(pred, ground_truth)
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+# --------------------------------------------------------------------------- synthetic tasks (data.py)
+
+
+def synthetic_score(data_source: str, solution_str: str, ground_truth: str) -> float:
+    """1.0 if the left-stripped response starts with the ground truth (for "add": and no digit follows)."""
+    text = solution_str.lstrip()
+    if not text.startswith(ground_truth):
+        return 0.0
+    if data_source == "synthetic/add" and text[len(ground_truth):len(ground_truth) + 1].isdigit():
+        return 0.0
+    return 1.0
+
+
+# --------------------------------------------------------------------------- dispatch
+
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+KNOWN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, "math_dapo", "aime*", "synthetic/copy", "synthetic/add")
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float | dict:
+    """Score one response with the rule chosen by `data_source` (see the module docstring)."""
+    if data_source == "openai/gsm8k":
+        return gsm8k_score(solution_str, ground_truth)
+    elif data_source in MATH_SOURCES:
+        return math_score(solution_str, ground_truth)
+    elif data_source == "math_dapo" or data_source.startswith("aime"):
+        return math_dapo_score(solution_str, ground_truth)
+    elif data_source in ("synthetic/copy", "synthetic/add"):
+        return synthetic_score(data_source, solution_str, ground_truth)
+    raise ValueError(f"no rule-based scorer for data_source {data_source!r}; known: {', '.join(KNOWN_SOURCES)}")
+
+
+# --------------------------------------------------------------------------- user scorers and batches
+
+_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
+
+
+def load_reward_fn(spec: str | None) -> Callable:
+    """None -> compute_score; "path/to/file.py:function" -> that function, checked for verl's signature.
+
+    The scorer is called with keyword arguments (as verl does), so its parameters must carry these names.
+    """
+    if spec is None:
+        return compute_score
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:function'")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reward function file not found: {path!r} (from {spec!r})")
+    module_spec = importlib.util.spec_from_file_location(f"nanorl_user_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        present = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"{path!r} has no function {name!r}; callables present: {', '.join(present) or 'none'}")
+    try:
+        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+    except TypeError as e:
+        raise TypeError(f"reward function {spec!r} must have the signature {_SIGNATURE}: {e}") from None
+    return fn
+
+
+def score_batch(
+    reward_fn: Callable,
+    data_sources: list[str],
+    solution_strs: list[str],
+    ground_truths: list[str],
+    extra_infos: list[dict | None] | None,
+) -> tuple[list[float], dict[str, list], int]:
+    """Score every sample; returns (scores, extras, num_errors).
+
+    A dict result gives its "score"; its other numeric keys (bools count) go to `extras`,
+    one list per key aligned with the batch (None where a sample lacked the key). A scorer
+    that raises is logged and scores 0.0. A result that is neither a number nor a dict
+    with "score" is a bug in the scorer and raises TypeError.
+    """
+    n = len(solution_strs)
+    extra_infos = extra_infos if extra_infos is not None else [None] * n
+    scores: list[float] = []
+    extras: dict[str, list] = {}
+    num_errors = 0
+    for i in range(n):
+        try:
+            result = reward_fn(data_source=data_sources[i], solution_str=solution_strs[i],
+                               ground_truth=ground_truths[i], extra_info=extra_infos[i])
+        except Exception as e:  # one malformed sample must not end a long run
+            logger.warning("reward function failed on sample %d (data_source=%r): %r", i, data_sources[i], e)
+            num_errors += 1
+            result = 0.0
+        if isinstance(result, dict) and isinstance(result.get("score"), numbers.Real):
+            scores.append(float(result["score"]))
+            for key, value in result.items():
+                if key != "score" and isinstance(value, numbers.Real):
+                    extras.setdefault(key, [None] * i).append(float(value))
+        elif isinstance(result, numbers.Real):
+            scores.append(float(result))
+        else:
+            raise TypeError(
+                f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
+                "expected a number or a dict with a numeric 'score'"
+            )
+        for values in extras.values():  # keep every extras list aligned with `scores`
+            if len(values) < len(scores):
+                values.append(None)
+    return scores, extras, num_errors

@@ -1,0 +1,148 @@
+"""model.py against transformers: logits, packing, gradients, errors."""
+import json
+import os
+
+import pytest
+import torch
+
+import helpers
+from model import ModelConfig, Transformer, load_model
+
+torch.manual_seed(0)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=helpers.FAMILIES)
+def ckpt(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    return helpers.make_checkpoint(str(d), request.param, with_tokenizer=False)
+
+
+def packed(seqs):
+    lens = torch.tensor([len(s) for s in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+    return torch.cat(seqs), pos, cu, int(lens.max())
+
+
+def test_logits_match_transformers(ckpt):
+    ref = helpers.hf_model(ckpt)
+    ours = load_model(ckpt)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 37))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = torch.stack([ours.logits(ours.packed(*packed([row]))) for row in ids])
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_packed_equals_alone_and_left_padded(ckpt):
+    model = load_model(ckpt)
+    seqs = [torch.randint(0, 256, (n,)) for n in (5, 17, 11)]
+    with torch.no_grad():
+        pack = model.logits(model.packed(*packed(seqs))).log_softmax(-1)
+        alone = [model.logits(model.packed(*packed([s]))).log_softmax(-1) for s in seqs]
+        assert rel_err(pack, torch.cat(alone)) <= 1e-5
+        # left-padded batch through transformers with correct position ids
+        ref = helpers.hf_model(ckpt)
+        L = 17
+        ids = torch.stack([torch.cat([torch.zeros(L - len(s), dtype=torch.long), s]) for s in seqs])
+        mask = torch.stack([torch.cat([torch.zeros(L - len(s)), torch.ones(len(s))]) for s in seqs]).long()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        hf = ref(ids, attention_mask=mask, position_ids=pos).logits.log_softmax(-1)
+        hf = torch.cat([hf[i, L - len(s):] for i, s in enumerate(seqs)])
+        assert rel_err(pack, hf) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "qwen2_tied"])
+def test_gradients_match_transformers_and_checkpointing(family, tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path), family, with_tokenizer=False)
+    ref = helpers.hf_model(path)
+    ours = load_model(path)
+    seqs = [torch.randint(0, 256, (n,)) for n in (9, 14)]
+    ids, pos, cu, mx = packed(seqs)
+    tgt = torch.roll(ids, -1)
+
+    def loss_of(m):
+        m.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m.logits(m.packed(ids, pos, cu, mx)), tgt)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    g1 = loss_of(ours)
+    ours.gradient_checkpointing = True
+    g2 = loss_of(ours)
+    for n in g1:
+        assert torch.equal(g1[n], g2[n]), n
+    # transformers: the same loss over the same packed tokens, one sequence at a time
+    ref.zero_grad()
+    total = 0
+    for s, t in zip(seqs, torch.split(tgt, [len(s) for s in seqs])):
+        total = total + torch.nn.functional.cross_entropy(ref(s[None]).logits[0], t, reduction="sum")
+    (total / len(ids)).backward()
+    hf = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        want = torch.cat([hf[h].grad for h in ours.hf_names(n)], dim=p.tp_dim or 0)
+        assert rel_err(g1[n], want) <= 1e-4, n
+
+
+def test_bf16_loads_and_runs(tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)
+    m32, m16 = load_model(path), load_model(path, dtype=torch.bfloat16)
+    x = packed([torch.randint(0, 256, (12,))])
+    with torch.no_grad():
+        a, b = m32.logits(m32.packed(*x)), m16.logits(m16.packed(*x))
+    assert b.dtype == torch.float32 and next(m16.parameters()).dtype == torch.bfloat16
+    assert rel_err(b, a) < 0.05
+
+
+def test_sharded_safetensors_index(tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False, max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    ref = helpers.hf_model(path)
+    ours = load_model(path)
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        assert rel_err(ours.logits(ours.packed(*packed([ids[0]]))), ref(ids).logits[0]) <= 1e-5
+
+
+def test_random_init_is_seeded(tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path), "qwen3", with_tokenizer=False)
+    a, b = load_model(path, random_init=True, seed=3), load_model(path, random_init=True, seed=3)
+    c = load_model(path, random_init=True, seed=4)
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q)
+        if p.dim() > 1:
+            assert not torch.equal(p, r), n
+
+
+def test_errors_name_the_problem(tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path / "ok"), "qwen2", with_tokenizer=False)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(str(empty))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tmp_path))
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    bad = tmp_path / "arch"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported"):
+        load_model(str(bad))
+    wrong = tmp_path / "shape"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    os.symlink(os.path.join(path, "model.safetensors"), wrong / "model.safetensors")
+    with pytest.raises(ValueError, match="gate_proj.*shape.*expected"):
+        load_model(str(wrong))
+
+
+def test_num_params_matches_transformers(ckpt):
+    ref = helpers.hf_model(ckpt)
+    cfg = ModelConfig.from_dir(ckpt)
+    assert cfg.num_params() == sum(p.numel() for p in ref.parameters() if p.dim() == 2)  # matmul weights
