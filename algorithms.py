@@ -531,9 +531,7 @@ def rollout_mismatch_metrics(
     """|p_train - p_rollout| of the sampled tokens over valid tokens: mean, max, std."""
     valid = response_mask.bool()
     diff = (torch.exp(old_log_prob) - torch.exp(rollout_log_prob)).abs()[valid].double()
-    if diff.numel() == 0:
-        return {"training/rollout_probs_diff_mean": 0.0, "training/rollout_probs_diff_max": 0.0,
-                "training/rollout_probs_diff_std": 0.0}
+    diff = diff if diff.numel() else torch.zeros(1, dtype=torch.float64)  # no valid token: report zeros
     return {
         "training/rollout_probs_diff_mean": float(diff.mean()),
         "training/rollout_probs_diff_max": float(diff.max()),

@@ -1,0 +1,223 @@
+"""rewards.py: GSM8K on the real test set, a table of MATH equivalences, DAPO, synthetic tasks, loading."""
+import json
+import logging
+import os
+
+import pytest
+
+import rewards as R
+
+GSM8K_TEST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+# --------------------------------------------------------------------------- GSM8K
+
+
+def test_gsm8k_reference_answers_score_one_and_changed_answers_zero():
+    assert os.path.isfile(GSM8K_TEST), f"GSM8K test set missing at {GSM8K_TEST} (shared/ must sit beside the repo)"
+    with open(GSM8K_TEST) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 1319
+    for row in rows:
+        answer = row["answer"]
+        truth = answer.split("####")[-1].strip().replace(",", "")
+        assert R.compute_score("openai/gsm8k", answer, truth) == 1.0, answer[-80:]
+        head, _, final = answer.rpartition("####")
+        wrong = f"{head}#### {int(final.strip().replace(',', '')) + 1}"
+        assert R.compute_score("openai/gsm8k", wrong, truth) == 0.0, wrong[-80:]
+
+
+@pytest.mark.parametrize("solution, truth, method, expected", [
+    ("Total 3 + 4 = 7\n#### 7", "7", "strict", 1.0),
+    ("#### 1,234", "1234", "strict", 1.0),
+    ("#### $18.", "18", "strict", 1.0),  # dollar sign and sentence-ending period dropped
+    ("#### -5", "-5", "strict", 1.0),
+    ("#### 5 then #### 6", "5", "strict", 0.0),  # the last occurrence counts
+    ("#### 72.0", "72", "strict", 0.0),  # exact string comparison, as in verl
+    ("the answer is 7", "7", "strict", 0.0),  # strict needs "####"
+    ("#### 7" + " filler" * 60, "7", "strict", 0.0),  # outside the last 300 characters
+    ("the answer is 1,000.", "1000", "flexible", 1.0),
+    ("first 3 then 8", "3", "flexible", 0.0),
+    ("no numbers at all", "3", "flexible", 0.0),
+])
+def test_gsm8k_cases(solution, truth, method, expected):
+    assert R.gsm8k_score(solution, truth, method=method) == expected
+
+
+def test_gsm8k_format_score():
+    assert R.gsm8k_score("#### 3", "4", format_score=0.1) == 0.1
+    assert R.gsm8k_score("nothing", "4", format_score=0.1) == 0.0
+    with pytest.raises(ValueError, match="strict, flexible"):
+        R.gsm8k_score("#### 3", "3", method="loose")
+
+
+# --------------------------------------------------------------------------- MATH
+
+MATH_EQUIV = [
+    ("\\dfrac{1}{2}", "\\frac{1}{2}", True),
+    ("\\tfrac12", "\\frac{1}{2}", True),
+    ("\\frac12", "\\frac{1}{2}", True),
+    ("\\frac1{72}", "\\frac{1}{72}", True),
+    ("1/2", "\\frac{1}{2}", True),
+    ("0.5", "\\frac{1}{2}", True),
+    (".5", "0.5", True),
+    ("\\frac{3}{4}", "0.75", True),
+    ("-\\frac{1}{2}", "-0.5", True),
+    ("\\frac{-1}{2}", "-\\frac12", True),
+    ("\\left( 3, 4 \\right)", "(3,4)", True),
+    ("\\left[ 1, 2 \\right]", "[1,2]", True),
+    ("10\\%", "10", True),
+    ("5\\text{ cm}", "5", True),
+    ("5\\text{ cm}^2", "5", True),
+    ("\\text{Evelyn}", "Evelyn", True),
+    ("x = 5", "5", True),
+    ("k=3", "3", True),
+    ("y = 2x+1", "2x+1", True),
+    ("\\sqrt2", "\\sqrt{2}", True),
+    ("2\\sqrt3", "2\\sqrt{3}", True),
+    ("\\dfrac{\\sqrt{3}}{2}", "\\frac{\\sqrt3}{2}", True),
+    ("72.0", "72", True),
+    ("90^\\circ", "90", True),
+    ("90^{\\circ}", "90", True),
+    ("\\$18", "18", True),
+    ("1,000", "1000", True),
+    ("10{,}000", "10000", True),
+    ("x^2+1", "x^{2}+1", True),
+    ("3\\!\\cdot\\!4", "3\\cdot4", True),
+    ("\\frac{1}{3}", "0.333", False),
+    ("\\frac{2}{3}", "\\frac{3}{2}", False),
+    ("(3,4)", "(4,3)", False),
+    ("5", "-5", False),
+    ("\\sqrt{2}", "\\sqrt{3}", False),
+    ("1.05", "1.5", False),
+    ("50\\%", "0.5", False),
+    ("x^23", "x^{23}", False),  # LaTeX reads x^23 as x^{2}3
+    ("12", "1,2", False),
+    ("2x+1", "2x-1", False),
+]
+
+
+@pytest.mark.parametrize("a, b, expected", MATH_EQUIV)
+def test_math_equivalence(a, b, expected):
+    assert R.is_equiv(a, b) is expected
+    assert R.is_equiv(b, a) is expected
+
+
+@pytest.mark.parametrize("solution, truth, expected", [
+    ("so the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac12", 1.0),
+    ("nested \\boxed{\\frac{\\sqrt{3}}{2}} ok", "\\dfrac{\\sqrt3}{2}", 1.0),
+    ("first \\boxed{1} then \\boxed{2}", "2", 1.0),  # the last box counts
+    ("first \\boxed{1} then \\boxed{2}", "1", 0.0),
+    ("\\fbox{7}", "7", 1.0),
+    ("$\\boxed 7$", "7", 1.0),
+    ("the answer is 7", "7", 0.0),  # no box
+    ("\\boxed{\\frac{1}{2}", "\\frac{1}{2}", 0.0),  # truncated box
+    ("\\boxed{3}", "\\boxed{3}", 1.0),  # a boxed ground truth is unboxed too
+])
+def test_math_score(solution, truth, expected):
+    for source in R.MATH_SOURCES:
+        assert R.compute_score(source, solution, truth) == expected
+
+
+# --------------------------------------------------------------------------- DAPO
+
+
+@pytest.mark.parametrize("solution, truth, score, pred", [
+    ("Reasoning...\nAnswer: 42", "42", 1.0, "42"),
+    ("Reasoning...\nanswer:   42\nThanks", "42", 1.0, "42"),
+    ("Answer: 41\nwait, no.\nAnswer: 42", "42", 1.0, "42"),  # the last one counts
+    ("Answer: \\boxed{1,000}.", "1000", 1.0, "1000"),
+    ("Answer: $x = 12$", "12", 1.0, "12"),
+    ("Answer: 43", "42", -1.0, "43"),
+    ("I think it is 42", "42", -1.0, "[INVALID]"),
+    ("Answer: 42\n" + "more text " * 40, "42", -1.0, "[INVALID]"),  # outside the last 300 characters
+])
+def test_math_dapo(solution, truth, score, pred):
+    for source in ("math_dapo", "aime2024"):
+        result = R.compute_score(source, solution, truth)
+        assert result == {"score": score, "acc": score > 0, "pred": pred}
+
+
+# --------------------------------------------------------------------------- synthetic tasks
+
+
+@pytest.mark.parametrize("source, solution, truth, expected", [
+    ("synthetic/copy", "7", "7", 1.0),
+    ("synthetic/copy", "  \n7 and more", "7", 1.0),
+    ("synthetic/copy", "77", "7", 1.0),  # copy only checks the prefix
+    ("synthetic/copy", "8", "7", 0.0),
+    ("synthetic/copy", "", "7", 0.0),
+    ("synthetic/copy", "a7", "7", 0.0),
+    ("synthetic/add", "12", "12", 1.0),
+    ("synthetic/add", " 12 is the sum", "12", 1.0),
+    ("synthetic/add", "12.", "12", 1.0),
+    ("synthetic/add", "123", "12", 0.0),  # a longer number is a different number
+    ("synthetic/add", "1 2", "12", 0.0),
+    ("synthetic/add", "the sum is 12", "12", 0.0),
+])
+def test_synthetic(source, solution, truth, expected):
+    assert R.compute_score(source, solution, truth) == expected
+
+
+def test_unknown_data_source():
+    with pytest.raises(ValueError, match="openai/gsm8k.*synthetic/add"):
+        R.compute_score("my/dataset", "x", "y")
+
+
+# --------------------------------------------------------------------------- user scorers
+
+
+def write(tmp_path, text):
+    path = tmp_path / "my_reward.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_reward_fn(tmp_path):
+    assert R.load_reward_fn(None) is R.compute_score
+    path = write(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                           "    return float(solution_str == ground_truth)\n"
+                           "def loose(**kwargs):\n    return 0.5\n"
+                           "def two_args(solution_str, ground_truth):\n    return 1.0\n"
+                           "helper = 3\n")
+    fn = R.load_reward_fn(f"{path}:score")
+    assert fn(data_source="d", solution_str="a", ground_truth="a", extra_info=None) == 1.0
+    assert R.load_reward_fn(f"{path}:loose")(data_source="d", solution_str="a", ground_truth="b") == 0.5
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        R.load_reward_fn(str(tmp_path / "nope.py") + ":score")
+    with pytest.raises(ValueError, match=r"'missing'.*loose, score, two_args"):
+        R.load_reward_fn(f"{path}:missing")
+    with pytest.raises(ValueError, match="helper"):
+        R.load_reward_fn(f"{path}:helper")  # present but not callable
+    with pytest.raises(TypeError, match="data_source, solution_str, ground_truth, extra_info"):
+        R.load_reward_fn(f"{path}:two_args")
+    with pytest.raises(ValueError, match="path/to/file.py:function"):
+        R.load_reward_fn(path)
+
+
+def test_score_batch(caplog):
+    def scorer(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "boom":
+            raise RuntimeError("malformed sample")
+        if data_source == "dict":
+            return {"score": 2.0, "acc": True, "pred": "x", "len": len(solution_str)}
+        return R.compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    with caplog.at_level(logging.WARNING, logger="rewards"):
+        scores, extras, errors = R.score_batch(
+            scorer,
+            ["synthetic/copy", "synthetic/copy", "dict", "math_dapo"],
+            ["3", "boom", "abc", "Answer: 5"],
+            ["3", "3", "", "6"],
+            None,
+        )
+    assert scores == [1.0, 0.0, 2.0, -1.0]
+    assert errors == 1
+    assert "malformed sample" in caplog.text and "synthetic/copy" in caplog.text
+    # numeric extras (bools included) aligned with the batch; strings ("pred") are skipped
+    assert extras == {"acc": [None, None, 1.0, 0.0], "len": [None, None, 3.0, None]}
+
+    with pytest.raises(TypeError, match="weird/source"):
+        R.score_batch(lambda **kw: "1.0", ["weird/source"], ["a"], ["a"], [None])
+    with pytest.raises(TypeError, match="weird/source"):
+        R.score_batch(lambda **kw: {"acc": 1.0}, ["weird/source"], ["a"], ["a"], [None])
