@@ -1,0 +1,627 @@
+"""Prompts in, micro-batches out: the data side of RL post-training.
+
+**The dataset format.** nanorl reads the parquet layout that verl made common. Each row is
+one prompt: `prompt` holds the chat messages (a list of `{"role", "content"}` dicts; a plain
+string is accepted and sent as a single user message), `data_source` names the task so the
+reward function knows how to score it, `reward_model` is a struct whose `ground_truth` the
+scorer compares against, and `extra_info` is a free-form struct (split, original index, ...).
+Any other column (`ability`, ...) is carried along untouched. Rendering the messages
+through the tokenizer's chat template with the generation prompt appended gives the token
+ids the policy continues from.
+
+**One tokenized copy per node.** Tokenizing a large dataset takes minutes, and with eight
+ranks per node eight private copies of it would waste memory. So the first process to
+arrive tokenizes everything once into an Arrow IPC file, and every process, on every rank,
+memory-maps that file: the operating system's page cache then holds a single copy shared by
+all of them, and opening it later costs milliseconds. The file's name is a hash of everything
+that determines its contents (the bytes of the data files, the tokenizer's vocabulary and
+chat template, the length settings), so a change to any of them builds a new file instead
+of silently reusing a stale one. Coordination needs no torch.distributed: whoever creates the
+lock file (O_CREAT|O_EXCL is atomic) builds to a temporary name and renames it into place;
+the rest wait for the finished file. A file that fails to open or whose metadata does not
+match is rebuilt, and a lock whose builder died is detected by its pid (or times out).
+
+**Sampling.** The sampler draws a fresh permutation per epoch from (seed, epoch), drops the
+tail of an epoch too short to fill a batch, and saves just (epoch, position), so a resumed
+run continues with exactly the batches it would have drawn -- including at an epoch
+boundary, where the next batch is the first one of the new epoch.
+
+**Packing.** Log-probs and updates run on variable-length sequences concatenated without
+padding (see `packed_inputs`), in micro-batches of at most `max_tokens` tokens. Two things
+must hold: each data-parallel rank gets about the same work, since every rank waits for the
+slowest at the gradient all-reduce; and each rank runs the same number of micro-batches,
+since collectives and the pipeline schedule proceed in lock-step. We first split the sequences
+over ranks with greedy LPT (longest first, each to the least-loaded rank). Graham's bound:
+its largest rank load is at most (4/3 - 1/(3k)) times the best possible for k ranks, and also
+at most mean load + longest sequence. Then each rank packs its own sequences with first-fit
+decreasing, and ranks with fewer micro-batches split their fullest ones (or, with nothing
+left to split, add empty ones) until all counts agree. Work here is token count; attention's
+quadratic term is ignored, which is fine while sequences are short next to the model width.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import heapq
+import json
+import logging
+import os
+import pathlib
+import shutil
+import socket
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+logger = logging.getLogger("nanorl.data")
+
+CACHE_VERSION = "2"  # bump when the cache layout changes, so old files are never reused
+TRUNCATIONS = ("error", "left", "right", "middle")
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str):
+    """The Hugging Face tokenizer stored in a local model directory."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{model_dir!r} holds no tokenizer files (expected one of {list(TOKENIZER_FILES)}); "
+                                f"it has {sorted(os.listdir(model_dir))}")
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+# ----------------------------------------------------------------------------- atomic files
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)  # works for directories too: makes the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write) -> None:
+    """Call write(tmp_path), fsync, then rename onto path: readers see all of the file or none."""
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync(os.path.dirname(os.path.abspath(path)))
+
+
+# ----------------------------------------------------------------------------- the dataset
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what decides the token ids: the vocabulary/pipeline and the chat template."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # The backend's JSON covers normalizer, pre-tokenizer, merges and added tokens, not just the vocab.
+    h.update(backend.to_str().encode() if backend is not None
+             else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _check_messages(prompt, where: str) -> list[dict]:
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return prompt
+    raise TypeError(f"{where}: expected a string or a non-empty list of {{'role': str, 'content': str}} "
+                    f"messages, got {type(prompt).__name__}: {str(prompt)[:100]}")
+
+
+def _fit(ids: list[int], max_len: int, truncation: str) -> list[int]:
+    if truncation == "left":  # keep the end, which holds the question and the generation prompt
+        return ids[-max_len:]
+    if truncation == "right":
+        return ids[:max_len]
+    head = max_len // 2  # "middle": keep the head and the tail halves
+    return ids[:head] + ids[len(ids) - (max_len - head):]
+
+
+def _clear_stale_lock(lock: str) -> None:
+    """Remove a lock whose builder died on this host, so a crash does not block every later run."""
+    try:
+        with open(lock) as f:
+            host, pid = f.read().split()
+    except (OSError, ValueError):  # gone already, or its owner is mid-write
+        return
+    if host != socket.gethostname():  # another node's builder: only the timeout can tell
+        return
+    try:
+        os.kill(int(pid), 0)  # signal 0 only checks that the process exists
+        return
+    except PermissionError:  # alive, owned by another user
+        return
+    except ProcessLookupError:
+        logger.warning("removing lock %s left by dead process %s", lock, pid)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+
+
+class PromptDataset:
+    """Tokenized prompts of verl-schema parquet files, memory-mapped from a shared Arrow cache.
+
+    Items are dicts: `prompt_ids` (list[int]), `data_source`, `ground_truth` (str), `extra_info`
+    (dict), `index` (the item's position in this dataset), `prompt`, `reward_model` and any other
+    source columns. Overlong prompts are dropped (`filter_overlong`, counted in `num_filtered`) or
+    else handled by `truncation`: "error", "left" (keep the end), "right", "middle".
+    """
+
+    def __init__(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str = "error",
+                 filter_overlong: bool = True, prompt_key: str = "prompt", cache_dir: str | None = None,
+                 lock_timeout: float = 1800.0):
+        if isinstance(files, str):
+            files = [files]
+        if not files:
+            raise ValueError("PromptDataset needs at least one parquet file")
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATIONS}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        for f in files:
+            if not os.path.isfile(f):
+                raise FileNotFoundError(f"data file {f!r} does not exist")
+        self.files = [os.path.abspath(f) for f in files]
+        self.tokenizer, self.max_prompt_length, self.truncation = tokenizer, max_prompt_length, truncation
+        self.filter_overlong, self.prompt_key, self.lock_timeout = filter_overlong, prompt_key, lock_timeout
+        settings = dict(version=CACHE_VERSION, max_prompt_length=max_prompt_length, truncation=truncation,
+                        filter_overlong=filter_overlong, prompt_key=prompt_key)
+        self.key = hashlib.sha256(json.dumps(dict(
+            settings, files=[_sha256_file(f) for f in self.files],
+            tokenizer=_tokenizer_fingerprint(tokenizer)), sort_keys=True).encode()).hexdigest()
+        cache_dir = cache_dir or os.path.join(os.path.dirname(self.files[0]), ".nanorl_cache")
+        os.makedirs(cache_dir, exist_ok=True)
+        self.cache_path = os.path.join(cache_dir, f"prompts-{self.key[:24]}.arrow")
+        self.cache_built = False  # True in the one process that tokenized
+        self._table = self._open_or_build()
+        meta = self._table.schema.metadata
+        self.num_filtered = int(meta[b"nanorl_num_filtered"])
+        if self.num_filtered:
+            logger.warning("%d prompts longer than %d tokens were filtered out of %s",
+                           self.num_filtered, max_prompt_length, self.files)
+
+    # --- cache protocol
+
+    def _try_open(self) -> pa.Table | None:
+        """The cached table, or None if the file is absent or does not validate."""
+        if not os.path.exists(self.cache_path):
+            return None
+        try:
+            table = pa.ipc.open_file(pa.memory_map(self.cache_path, "r")).read_all()
+            meta = table.schema.metadata or {}
+            if meta.get(b"nanorl_key") != self.key.encode():
+                raise ValueError("key mismatch")
+            if int(meta[b"nanorl_num_rows"]) != table.num_rows or "prompt_ids" not in table.column_names:
+                raise ValueError("row count mismatch")
+            table.validate()
+            return table
+        except (OSError, pa.ArrowException, ValueError, KeyError) as e:
+            self._unusable = str(e)  # reported by whoever rebuilds it, not by every waiting process
+            return None
+
+    def _open_or_build(self) -> pa.Table:
+        lock = self.cache_path + ".lock"
+        me = f"{socket.gethostname()} {os.getpid()}"
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            table = self._try_open()
+            if table is not None:
+                return table
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                _clear_stale_lock(lock)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {self.lock_timeout:.0f}s for another process to build "
+                                       f"{self.cache_path}; if no builder is running, delete the lock {lock}")
+                time.sleep(0.05)
+                continue
+            try:
+                os.write(fd, me.encode())
+                os.close(fd)
+                # Someone may have finished between our check and taking the lock.
+                table = self._try_open()
+                if table is None:
+                    if os.path.exists(self.cache_path):
+                        logger.warning("rebuilding unusable cache %s (%s)", self.cache_path, self._unusable)
+                    atomic_write(self.cache_path, self._build)
+                    self.cache_built = True
+                    table = self._try_open()
+                    if table is None:
+                        raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
+                return table
+            finally:
+                os.remove(lock)
+
+    # --- building
+
+    def _read_sources(self) -> tuple[pa.Table, list, list, list[tuple[str, int]]]:
+        """The other columns of all files as one table; prompts and reward_model as Python values,
+        since their Arrow types vary between files (int or str ground truths, list field names)."""
+        rests, prompts, rewards, origin = [], [], [], []
+        for f in self.files:
+            try:
+                t = pq.read_table(f)
+            except (OSError, pa.ArrowException) as e:
+                raise ValueError(f"{f}: not a readable parquet file ({e})") from e
+            missing = [c for c in (self.prompt_key, *REQUIRED_COLUMNS) if c not in t.column_names]
+            if missing:
+                raise ValueError(f"{f}: missing column(s) {missing}; the file has columns {t.column_names}")
+            prompts += [[{"role": "user", "content": p}] if isinstance(p, str) else p
+                        for p in t.column(self.prompt_key).to_pylist()]
+            rewards += t.column("reward_model").to_pylist()
+            origin += [(f, r) for r in range(t.num_rows)]
+            rests.append(t.drop_columns([c for c in t.column_names if c.startswith("__index_level_") or c in (
+                self.prompt_key, "reward_model", "prompt_ids", "ground_truth", "index")]))
+        try:
+            rest = pa.concat_tables(rests, promote_options="permissive")
+        except pa.ArrowException as e:
+            raise ValueError("the data files have incompatible schemas: "
+                             + "; ".join(f"{f}: {t.schema}" for f, t in zip(self.files, rests))) from e
+        return rest, prompts, rewards, origin
+
+    def _build(self, out_path: str) -> None:
+        t0 = time.perf_counter()
+        rest, prompts, rewards, origin = self._read_sources()
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template")
+        for p, (f, r) in zip(prompts, origin):
+            _check_messages(p, f"{f}: row {r}: column {self.prompt_key!r}")
+        texts = self.tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        all_ids = []
+        for i in range(0, len(texts), 4096):  # in chunks: Encoding objects are large, keep only the ids
+            chunk = texts[i:i + 4096]
+            if backend is not None:  # the Rust tokenizer without transformers' wrapper: same ids, 2x faster
+                all_ids += [e.ids for e in backend.encode_batch_fast(chunk, add_special_tokens=False)]
+            else:
+                all_ids += self.tokenizer(chunk, add_special_tokens=False)["input_ids"]
+        keep, kept_ids, truths, kept_rewards = [], [], [], []
+        for row, (ids, rm, (f, r)) in enumerate(zip(all_ids, rewards, origin)):
+            if len(ids) > self.max_prompt_length:
+                if self.filter_overlong:
+                    continue
+                if self.truncation == "error":
+                    raise ValueError(f"{f}: row {r}: prompt is {len(ids)} tokens, over max_prompt_length="
+                                     f"{self.max_prompt_length} (use filter_overlong or a truncation mode)")
+                ids = _fit(ids, self.max_prompt_length, self.truncation)
+            truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+            if truth is None:
+                raise ValueError(f"{f}: row {r}: reward_model must be a struct with a ground_truth, got {rm!r}")
+            truth = truth if isinstance(truth, str) else json.dumps(truth)
+            keep.append(row)
+            kept_ids.append(ids)
+            truths.append(truth)
+            kept_rewards.append({**rm, "ground_truth": truth})
+        if not keep:
+            raise ValueError(f"no prompts left in {self.files}: all {len(origin)} are longer than "
+                             f"max_prompt_length={self.max_prompt_length}")
+        table = rest.take(pa.array(keep, pa.int64()))
+        for name, values in ((self.prompt_key, pa.array([prompts[i] for i in keep])),
+                             ("reward_model", pa.array(kept_rewards)),
+                             ("prompt_ids", pa.array(kept_ids, pa.large_list(pa.int32()))),
+                             ("ground_truth", pa.array(truths, pa.string())),
+                             ("index", pa.array(np.arange(len(keep), dtype=np.int64)))):
+            table = table.append_column(name, values)
+        table = table.replace_schema_metadata({
+            "nanorl_key": self.key, "nanorl_num_rows": str(len(keep)),
+            "nanorl_num_filtered": str(len(origin) - len(keep))})
+        # One record batch: Arrow's take() over a multi-chunk table first concatenates the chunks,
+        # which would turn every batch draw into a copy of the whole dataset.
+        with open(out_path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table.combine_chunks())
+        logger.info("built prompt cache %s: %d prompts in %.1fs", self.cache_path, len(keep),
+                    time.perf_counter() - t0)
+
+    # --- access
+
+    def __len__(self) -> int:
+        return self._table.num_rows
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"index {i} out of range for a dataset of {len(self)} prompts")
+        return self.get_batch([i % len(self)])[0]
+
+    def get_batch(self, indices: list[int]) -> list[dict]:
+        bad = [i for i in indices if not 0 <= i < len(self)]
+        if bad:
+            raise IndexError(f"indices {bad[:5]} out of range for a dataset of {len(self)} prompts")
+        table = self._table.take(pa.array(indices, pa.int64()))
+        ids = table.column("prompt_ids").combine_chunks()
+        # Token ids dominate the batch; numpy slices turn them into Python lists ~10x faster than Arrow.
+        values, offsets = ids.values.to_numpy(), ids.offsets.to_numpy()
+        rows = table.drop_columns(["prompt_ids"]).to_pylist()
+        for k, row in enumerate(rows):
+            row["prompt_ids"] = values[offsets[k]:offsets[k + 1]].tolist()
+            if row.get("extra_info") is None:
+                row["extra_info"] = {}
+        return rows
+
+    # A pickled dataset (e.g. sent to a worker) reopens the mapping instead of copying the table.
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_table"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._table = self._open_or_build()
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+class Sampler:
+    """Batches of dataset indices: a seeded permutation per epoch, incomplete tails dropped.
+
+    `epoch` and `position` describe the last batch drawn; the next draw that does not fit in
+    what is left of the epoch starts the next one. Batch sizes may vary between calls.
+    """
+
+    def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
+        if not 1 <= batch_size <= num_items:
+            raise ValueError(f"batch_size={batch_size} must be between 1 and the dataset size {num_items}")
+        self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = -1, None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The full index order of an epoch, a pure function of (seed, epoch)."""
+        if self._order_epoch != epoch:
+            self._order_epoch = epoch
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+                           if self.shuffle else np.arange(self.num_items))
+        return self._order
+
+    def next_indices(self, batch_size: int | None = None) -> list[int]:
+        b = self.batch_size if batch_size is None else batch_size
+        if not 1 <= b <= self.num_items:
+            raise ValueError(f"batch_size={b} must be between 1 and the dataset size {self.num_items}")
+        if self.position + b > self.num_items:
+            self.epoch, self.position = self.epoch + 1, 0
+        out = self.order(self.epoch)[self.position:self.position + b]
+        self.position += b
+        return out.tolist()
+
+    def state_dict(self) -> dict:
+        return dict(num_items=self.num_items, seed=self.seed, shuffle=self.shuffle,
+                    epoch=self.epoch, position=self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("num_items", "seed", "shuffle"):
+            if state[k] != getattr(self, k):
+                raise ValueError(f"sampler state has {k}={state[k]!r} but this sampler has {getattr(self, k)!r}; "
+                                 f"resuming would not continue the saved order")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _lpt_partition(seq_lens: list[int], k: int) -> list[list[int]]:
+    """Greedy LPT: longest first, each onto the least-loaded of k parts."""
+    heap = [(0, r) for r in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
+        load, r = heapq.heappop(heap)
+        parts[r].append(i)
+        heapq.heappush(heap, (load + seq_lens[i], r))
+    return parts
+
+
+def _first_fit_decreasing(items: list[int], seq_lens: list[int], budget: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(items, key=lambda i: (-seq_lens[i], i)):
+        for b in range(len(bins)):
+            if room[b] >= seq_lens[i]:
+                bins[b].append(i)
+                room[b] -= seq_lens[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - seq_lens[i])
+    return bins
+
+
+def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int,
+                       dp_size: int) -> list[list[list[int]]]:
+    """result[dp_rank][micro_batch] = sorted sequence indices; see the module docstring.
+
+    Every micro-batch holds at most max_tokens_per_micro_batch tokens, every sequence is in exactly
+    one, all ranks have the same number of micro-batches (possibly empty ones), and the largest rank
+    load is within LPT's bound: <= (4/3 - 1/(3*dp_size)) * optimum and <= mean + longest sequence.
+    """
+    budget = max_tokens_per_micro_batch
+    if dp_size < 1 or budget < 1:
+        raise ValueError(f"dp_size ({dp_size}) and max_tokens_per_micro_batch ({budget}) must be >= 1")
+    for i, n in enumerate(seq_lens):
+        if not 0 <= n <= budget:
+            raise ValueError(f"sequence {i} has {n} tokens, more than max_tokens_per_micro_batch={budget}; "
+                             f"raise the budget to at least the longest prompt + response" if n > 0 else
+                             f"sequence {i} has negative length {n}")
+    per_rank = [_first_fit_decreasing(part, seq_lens, budget) for part in _lpt_partition(seq_lens, dp_size)]
+    target = max(len(mbs) for mbs in per_rank)
+    for mbs in per_rank:
+        while len(mbs) < target:
+            # Split the heaviest micro-batch that can be split; this also shortens the slowest step.
+            splittable = [j for j in range(len(mbs)) if len(mbs[j]) > 1]
+            if not splittable:
+                mbs.append([])
+                continue
+            j = max(splittable, key=lambda j: sum(seq_lens[i] for i in mbs[j]))
+            mb = mbs.pop(j)
+            mbs += [[mb[p] for p in half] for half in _lpt_partition([seq_lens[i] for i in mb], 2)]
+    return [[sorted(mb) for mb in mbs] for mbs in per_rank]
+
+
+def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
+    """Concatenate sequences without padding: the varlen-attention inputs model.py consumes.
+
+    position_ids restart at 0 for each sequence; cu_seqlens[b]:cu_seqlens[b+1] is sequence b.
+    """
+    if len(sequences) == 0:
+        raise ValueError("packed_inputs needs at least one sequence")
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    return {
+        "input_ids": torch.cat(seqs),
+        "position_ids": torch.cat([torch.arange(len(s), dtype=torch.long) for s in seqs]),
+        "cu_seqlens": cu,
+        "max_seqlen": int(lens.max()),
+    }
+
+
+# ----------------------------------------------------------------------------- dataset preparation
+
+GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+
+
+def _write_parquet(rows: list[dict], path: str) -> None:
+    table = pa.Table.from_pylist(rows)
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def prepare_gsm8k(src: str, out: str) -> None:
+    """GSM8K JSONL (question, answer) -> verl-schema train.parquet / test.parquet."""
+    os.makedirs(out, exist_ok=True)
+    for split in ("train", "test"):
+        path = os.path.join(src, f"{split}.jsonl")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist (expected GSM8K's {split}.jsonl in {src})")
+        rows = []
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                ex = json.loads(line)
+                if "####" not in ex.get("answer", ""):
+                    raise ValueError(f"{path}: line {line_no}: answer has no '####' final-answer marker")
+                truth = ex["answer"].split("####")[-1].replace(",", "").strip()
+                rows.append({
+                    "prompt": [{"role": "user", "content": ex["question"] + GSM8K_INSTRUCTION}],
+                    "data_source": "openai/gsm8k", "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": truth},
+                    "extra_info": {"split": split, "index": len(rows), "question": ex["question"],
+                                   "answer": ex["answer"]}})
+        _write_parquet(rows, os.path.join(out, f"{split}.parquet"))
+        print(f"wrote {len(rows)} rows to {os.path.join(out, split + '.parquet')}")
+
+
+SYNTHETIC_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SYNTHETIC_CHARS = " 0123456789copy+="  # kept tiny: a random policy hits the right digit now and then
+SYNTHETIC_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>{% endif %}")
+
+
+def synthetic_tokenizer():
+    """One token per character of SYNTHETIC_CHARS, with a role-free chat template.
+
+    Built as a byte-level BPE without merges, i.e. exactly Qwen2's tokenizer pipeline: transformers 5
+    loads any model_type "qwen2" directory with its Qwen2 tokenizer class, which rebuilds the
+    pre-tokenizer and decoder, so only a tokenizer of that shape survives the round trip unchanged.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level BPE spells the space byte as "\u0120"; the other characters stand for themselves.
+    chars = ["\u0120" if c == " " else c for c in SYNTHETIC_CHARS]
+    vocab = {s: i for i, s in enumerate(SYNTHETIC_SPECIALS + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SYNTHETIC_SPECIALS])
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    t.chat_template = SYNTHETIC_TEMPLATE
+    return t
+
+
+def _synthetic_rows(task: str, n: int, split: str, rng: np.random.Generator) -> list[dict]:
+    rows = []
+    for i in range(n):
+        if task == "copy":
+            d = int(rng.integers(10))
+            content, truth = f"copy {d}", str(d)
+        else:
+            a = int(rng.integers(10))
+            b = int(rng.integers(10 - a))  # a + b <= 9: the answer is one digit
+            content, truth = f"{a}+{b}=", str(a + b)
+        rows.append({"prompt": [{"role": "user", "content": content}], "data_source": f"synthetic/{task}",
+                     "ability": "synthetic", "reward_model": {"style": "rule", "ground_truth": truth},
+                     "extra_info": {"split": split, "index": i}})
+    return rows
+
+
+def prepare_synthetic(out: str, task: str = "copy", n_train: int = 2000, n_test: int = 200, seed: int = 0) -> None:
+    """A task a tiny random model learns by RL alone: parquet files plus a model dir (tokenizer, config)."""
+    if task not in ("copy", "add"):
+        raise ValueError(f"task={task!r}; expected 'copy' or 'add'")
+    model_dir = os.path.join(out, "model")
+    os.makedirs(model_dir, exist_ok=True)
+    train_rng, test_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    _write_parquet(_synthetic_rows(task, n_train, "train", train_rng), os.path.join(out, "train.parquet"))
+    _write_parquet(_synthetic_rows(task, n_test, "test", test_rng), os.path.join(out, "test.parquet"))
+    tok = synthetic_tokenizer()
+    ids = tok.convert_tokens_to_ids
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": -(-len(tok) // 8) * 8, "tie_word_embeddings": True, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "hidden_act": "silu", "torch_dtype": "float32",
+        "initializer_range": 0.02, "attention_dropout": 0.0, "use_sliding_window": False,
+        "eos_token_id": ids("<|im_end|>"), "bos_token_id": ids("<|endoftext|>"),
+        "pad_token_id": ids("<|endoftext|>")}
+    with tempfile.TemporaryDirectory(dir=out) as tmp:  # save_pretrained is not atomic; each rename is
+        tok.save_pretrained(tmp)
+        for name in os.listdir(tmp):
+            atomic_write(os.path.join(model_dir, name), lambda dst: shutil.copyfile(os.path.join(tmp, name), dst))
+        atomic_write(os.path.join(model_dir, "config.json"),
+                     lambda dst: pathlib.Path(dst).write_text(json.dumps(config, indent=2) + "\n"))
+    print(f"wrote synthetic/{task}: {n_train} train + {n_test} test prompts and {model_dir}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Prepare verl-schema parquet datasets.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gsm8k", help="GSM8K train/test.jsonl -> parquet")
+    g.add_argument("--src", required=True)
+    g.add_argument("--out", required=True)
+    s = sub.add_parser("synthetic", help="a tiny task plus a tiny model config, for CPU runs")
+    s.add_argument("--out", required=True)
+    s.add_argument("--task", choices=["copy", "add"], default="copy")
+    for flag, default in (("--n-train", 2000), ("--n-test", 200), ("--seed", 0)):
+        s.add_argument(flag, type=int, default=default)
+    a = p.parse_args(argv)
+    if a.cmd == "gsm8k":
+        prepare_gsm8k(a.src, a.out)
+    else:
+        prepare_synthetic(a.out, a.task, a.n_train, a.n_test, a.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""Tests for data.py: GSM8K/synthetic preparation, the shared prompt cache, the sampler, packing."""
+import itertools
+import json
+import multiprocessing as mp
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import data
+from helpers import make_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
+
+
+def reference_ids(tok, prompt):
+    """Token ids by applying the chat template directly (what the cache must reproduce)."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def write_rows(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def row(content, truth="1", **extra):
+    return {"prompt": [{"role": "user", "content": content}], "data_source": "t",
+            "reward_model": {"ground_truth": truth}, "extra_info": {"k": 1}, **extra}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tok"))
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return data.load_tokenizer(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def gsm8k(tmp_path_factory):
+    assert os.path.isdir(GSM8K), f"GSM8K data missing at {GSM8K}"
+    src, out = tmp_path_factory.mktemp("gsm_src"), tmp_path_factory.mktemp("gsm_out")
+    lines = {}
+    for split in ("train", "test"):
+        with open(os.path.join(GSM8K, f"{split}.jsonl")) as f:
+            lines[split] = [next(f) for _ in range(50)]
+        (src / f"{split}.jsonl").write_text("".join(lines[split]))
+    data.main(["gsm8k", "--src", str(src), "--out", str(out)])
+    return out, {k: [json.loads(x) for x in v] for k, v in lines.items()}
+
+
+# ----------------------------------------------------------------------------- GSM8K and the cache
+
+
+def test_gsm8k_to_cache_matches_chat_template(gsm8k, tok, tmp_path):
+    out, raw = gsm8k
+    for split in ("train", "test"):
+        ds = data.PromptDataset([str(out / f"{split}.parquet")], tok, max_prompt_length=4096,
+                                cache_dir=str(tmp_path))
+        assert len(ds) == 50 and ds.num_filtered == 0
+        for i, ex in enumerate(raw[split]):
+            item = ds[i]
+            question = ex["question"] + " Let's think step by step and output the final answer after \"####\"."
+            assert item["prompt_ids"] == reference_ids(tok, [{"role": "user", "content": question}])
+            assert item["ground_truth"] == re.search(r"####\s*(.+)$", ex["answer"]).group(1).replace(",", "").strip()
+            assert item["data_source"] == "openai/gsm8k" and item["ability"] == "math" and item["index"] == i
+            assert item["extra_info"] == {"split": split, "index": i, "question": ex["question"],
+                                          "answer": ex["answer"]}
+            assert item["reward_model"] == {"style": "rule", "ground_truth": item["ground_truth"]}
+    assert ds[0]["ground_truth"] == "18"  # test.jsonl line 1 (Janet's ducks)
+    assert [r["index"] for r in ds.get_batch([3, 1, 3])] == [3, 1, 3]
+
+
+def _open_in_child(args):
+    files, tok_dir, cache_dir, barrier, queue = args
+    barrier.wait()
+    ds = data.PromptDataset(files, data.load_tokenizer(tok_dir), max_prompt_length=4096, cache_dir=cache_dir)
+    queue.put((ds.cache_built, ds.cache_path, [ds[i]["prompt_ids"] for i in range(len(ds))]))
+
+
+def test_two_processes_build_the_cache_once(gsm8k, tok_dir, tok, tmp_path):
+    out, _ = gsm8k
+    files = [str(out / "train.parquet"), str(out / "test.parquet")]
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_open_in_child, args=((files, tok_dir, str(tmp_path), barrier, queue),))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sorted(r[0] for r in results) == [False, True]  # exactly one builder
+    assert results[0][1:] == results[1][1:]
+    ds = data.PromptDataset(files, tok, max_prompt_length=4096, cache_dir=str(tmp_path))
+    assert not ds.cache_built and len(ds) == 100
+    assert results[0][2] == [reference_ids(tok, r["prompt"]) for f in files for r in pq.read_table(f).to_pylist()]
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".arrow")] == [os.path.basename(ds.cache_path)]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "wrong_key"])
+def test_damaged_cache_is_rebuilt(tmp_path, tok, damage):
+    f = write_rows(tmp_path / "d.parquet", [row(f"question {i}", str(i)) for i in range(20)])
+    first = data.PromptDataset([f], tok, 64)
+    assert first.cache_built and first.cache_path.startswith(str(tmp_path / ".nanorl_cache"))
+    good = first.get_batch(list(range(20)))
+    path = first.cache_path
+    del first
+    if damage == "truncated":
+        size = os.path.getsize(path)
+        with open(path, "r+b") as fh:
+            fh.truncate(size // 2)
+    elif damage == "garbage":
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(4096))
+    elif damage == "empty":
+        open(path, "wb").close()
+    else:  # a well-formed Arrow file that is not ours
+        t = pa.table({"prompt_ids": [[1]]}).replace_schema_metadata({"nanorl_key": "x", "nanorl_num_rows": "1"})
+        with open(path, "wb") as fh, pa.ipc.new_file(fh, t.schema) as w:
+            w.write_table(t)
+    again = data.PromptDataset([f], tok, 64)
+    assert again.cache_built and again.cache_path == path
+    assert again.get_batch(list(range(20))) == good
+    warm = data.PromptDataset([f], tok, 64)
+    assert not warm.cache_built
+
+
+def test_cache_key_follows_contents_and_tokenizer(tmp_path, tok_dir):
+    tok = data.load_tokenizer(tok_dir)
+    f = write_rows(tmp_path / "d.parquet", [row("hello")])
+    a = data.PromptDataset([f], tok, 64)
+    assert data.PromptDataset([f], tok, 64).cache_path == a.cache_path
+    assert data.PromptDataset([f], tok, 65).cache_path != a.cache_path
+    write_rows(tmp_path / "d.parquet", [row("hellO")])
+    b = data.PromptDataset([f], tok, 64)
+    assert b.cache_path != a.cache_path and b[0]["prompt_ids"] == reference_ids(tok, "hellO")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    c = data.PromptDataset([f], tok, 64)
+    assert c.cache_path != b.cache_path and c[0]["prompt_ids"] == list(tok("hellO", add_special_tokens=False)["input_ids"])
+    c2 = pickle.loads(pickle.dumps(c))
+    assert c2[0] == c[0] and len(c2) == 1
+
+
+def test_stale_and_live_locks(tmp_path, tok):
+    f = write_rows(tmp_path / "d.parquet", [row("hi")])
+    probe = data.PromptDataset([f], tok, 64)
+    os.remove(probe.cache_path)
+    lock = probe.cache_path + ".lock"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(lock, "w") as fh:
+        fh.write(f"{socket.gethostname()} {dead.pid}")
+    assert data.PromptDataset([f], tok, 64).cache_built  # dead builder's lock is cleared
+    assert not os.path.exists(lock)
+    os.remove(probe.cache_path)
+    with open(lock, "w") as fh:
+        fh.write(f"{socket.gethostname()} {os.getpid()}")  # a live "builder" that never finishes
+    with pytest.raises(TimeoutError, match=re.escape(lock)):
+        data.PromptDataset([f], tok, 64, lock_timeout=0.3)
+
+
+# ----------------------------------------------------------------------------- options and bad input
+
+
+def test_truncation_filtering_and_columns(tmp_path, tok):
+    long_msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 40 + "END"}]
+    full = reference_ids(tok, long_msgs)
+    m = len(full) - 7
+    f = write_rows(tmp_path / "a.parquet", [{"prompt": long_msgs, "data_source": "a", "ability": "z",
+                                             "reward_model": {"ground_truth": 5}, "extra_info": None}])
+    g = write_rows(tmp_path / "b.parquet", [{"prompt": "plain", "data_source": "b", "ability": "y",
+                                             "reward_model": {"ground_truth": "q"}, "extra_info": None}])
+    expect = {"left": full[-m:], "right": full[:m], "middle": full[:m // 2] + full[len(full) - (m - m // 2):]}
+    for mode, ids in expect.items():
+        ds = data.PromptDataset([f, g], tok, m, truncation=mode, filter_overlong=False)
+        assert ds[0]["prompt_ids"] == ids and len(ids) == m and ds.num_filtered == 0
+    ds = data.PromptDataset([f, g], tok, m)  # filter_overlong drops the long one
+    assert len(ds) == 1 and ds.num_filtered == 1
+    item = ds[0]
+    assert item["prompt_ids"] == reference_ids(tok, [{"role": "user", "content": "plain"}])
+    assert (item["index"], item["data_source"], item["ground_truth"], item["extra_info"], item["ability"]) == \
+        (0, "b", "q", {}, "y")
+    ds = data.PromptDataset([f, g], tok, 4096)
+    assert ds[0]["ground_truth"] == "5" and ds[-1]["data_source"] == "b"
+    assert ds[1]["prompt"] == [{"role": "user", "content": "plain"}]
+    with pytest.raises(IndexError):
+        ds[2]
+
+
+def _bad_input(kind, tmp_path):
+    if kind == "missing_file":
+        return [str(tmp_path / "nope.parquet")], {}
+    if kind == "missing_column":
+        return [write_rows(tmp_path / "d.parquet", [{"prompt": "a", "data_source": "x"}])], {}
+    if kind == "empty_after_filter":
+        return [write_rows(tmp_path / "d.parquet", [row("a" * 50), row("b" * 60)])], {"max_prompt_length": 20}
+    if kind == "prompt_int":
+        return [write_rows(tmp_path / "d.parquet", [row("fine"), {**row(""), "prompt": None}])], {}
+    if kind == "prompt_no_role":
+        return [write_rows(tmp_path / "d.parquet", [{**row(""), "prompt": [{"content": "hi"}]}])], {}
+    if kind == "overlong_error":
+        return [write_rows(tmp_path / "d.parquet", [row("ok"), row("y" * 50)])], \
+            {"max_prompt_length": 30, "filter_overlong": False}
+    if kind == "bad_truncation":
+        return [write_rows(tmp_path / "d.parquet", [row("ok")])], {"truncation": "sideways"}
+
+
+@pytest.mark.parametrize("kind, exc, pattern", [
+    ("missing_file", FileNotFoundError, r"nope\.parquet.*does not exist"),
+    ("missing_column", ValueError, r"d\.parquet: missing column\(s\) \['reward_model'\].*\['prompt', 'data_source'\]"),
+    ("empty_after_filter", ValueError, r"no prompts left.*all 2 are longer than max_prompt_length=20"),
+    ("prompt_int", TypeError, r"d\.parquet: row 1: column 'prompt': expected a string or .*got NoneType"),
+    ("prompt_no_role", TypeError, r"row 0: column 'prompt'.*got list"),
+    # 69 = "<|im_start|>user\n" (6) + 50 bytes + "<|im_end|>\n" (2) + "<|im_start|>assistant\n" (11)
+    ("overlong_error", ValueError, r"d\.parquet: row 1: prompt is 69 tokens, over max_prompt_length=30"),
+    ("bad_truncation", ValueError, r"truncation='sideways'.*'error', 'left', 'right', 'middle'"),
+])
+def test_bad_input_errors(tmp_path, tok, kind, exc, pattern):
+    files, kw = _bad_input(kind, tmp_path)
+    kw = {"max_prompt_length": 256, **kw}
+    with pytest.raises(exc, match=pattern):
+        data.PromptDataset(files, tok, **kw)
+    cache = tmp_path / ".nanorl_cache"
+    assert not cache.exists() or os.listdir(cache) == []  # nothing half-written left behind
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path)) + ".*no tokenizer files"):
+        data.load_tokenizer(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def draw(s, sizes):
+    return [s.next_indices(b) for b in sizes]
+
+
+@pytest.mark.parametrize("n, b, k", [(10, 3, 2), (10, 3, 3), (10, 3, 6), (12, 4, 3), (12, 4, 5), (7, 7, 1)])
+def test_sampler_resume_is_exact(n, b, k):
+    ref = data.Sampler(n, b, seed=11)
+    stream = draw(ref, [None] * 12)
+    per_epoch = n // b
+    for e in range(12 // per_epoch):  # each epoch: disjoint full batches, the tail dropped
+        epoch = stream[e * per_epoch:(e + 1) * per_epoch]
+        flat = [i for batch in epoch for i in batch]
+        assert all(len(x) == b for x in epoch) and len(set(flat)) == per_epoch * b and set(flat) <= set(range(n))
+    s = data.Sampler(n, b, seed=11)
+    draw(s, [None] * k)
+    state = json.loads(json.dumps(s.state_dict()))
+    assert (state["epoch"], state["position"]) == ((k - 1) // per_epoch, ((k - 1) % per_epoch + 1) * b)
+    resumed = data.Sampler(n, b, seed=11)
+    resumed.load_state_dict(state)
+    after = draw(resumed, [None] * (12 - k))
+    assert after == stream[k:]
+    if k % per_epoch == 0:  # resumed exactly at an epoch boundary: the next epoch's first batch, no repeat
+        assert after[0] == np.random.default_rng([11, k // per_epoch]).permutation(n)[:b].tolist()
+        assert resumed.epoch == k // per_epoch + (12 - k - 1) // per_epoch
+
+
+def test_sampler_seeds_shuffle_and_variable_batches():
+    a, b, c = (data.Sampler(100, 8, seed=s) for s in (0, 0, 1))
+    assert draw(a, [None] * 30) == draw(b, [None] * 30) != draw(c, [None] * 30)
+    assert draw(data.Sampler(10, 4, seed=3, shuffle=False), [None] * 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    s = data.Sampler(10, 4, seed=5)
+    first = s.next_indices()
+    mid = s.state_dict()
+    rest = draw(s, [3, 4, 2, 5])  # DAPO draws extra, differently sized batches through the same call
+    e = [np.random.default_rng([5, k]).permutation(10).tolist() for k in range(3)]
+    assert [first, *rest] == [e[0][:4], e[0][4:7], e[1][:4], e[1][4:6], e[2][:5]]
+    assert (s.epoch, s.position) == (2, 5)
+    s2 = data.Sampler(10, 4, seed=5)
+    s2.load_state_dict(mid)
+    assert draw(s2, [3, 4, 2, 5]) == rest
+    with pytest.raises(ValueError, match="num_items=10 but this sampler has 11"):
+        data.Sampler(11, 4, seed=5).load_state_dict(mid)
+    with pytest.raises(ValueError, match="batch_size=11"):
+        s.next_indices(11)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def check_packing(lens, budget, dp, result):
+    assert len(result) == dp
+    assert len({len(r) for r in result}) == 1, "every rank needs the same number of micro-batches"
+    flat = sorted(i for r in result for mb in r for i in mb)
+    assert flat == list(range(len(lens))), "each sequence exactly once"
+    for r in result:
+        for mb in r:
+            assert sum(lens[i] for i in mb) <= budget
+        if any(len(mb) == 0 for mb in r):  # empty only when nothing on the rank could be split
+            assert all(len(mb) <= 1 for mb in r)
+    loads = [sum(lens[i] for r_mb in r for i in r_mb) for r in result]
+    assert sum(loads) == sum(lens)
+    return loads
+
+
+def test_packing_random_respects_budget_and_balance():
+    for seed in range(300):
+        rng = np.random.default_rng(seed)
+        budget = int(rng.integers(8, 600))
+        dp = int(rng.integers(1, 9))
+        lens = rng.integers(1, budget + 1, size=int(rng.integers(0, 200))).tolist()
+        loads = check_packing(lens, budget, dp, data.pack_micro_batches(lens, budget, dp))
+        if lens:  # list-scheduling bound
+            assert max(loads) <= sum(lens) / dp + max(lens)
+
+
+def test_packing_lpt_within_four_thirds_of_optimum():
+    for seed in range(60):
+        rng = np.random.default_rng(1000 + seed)
+        dp = int(rng.integers(2, 4))
+        lens = rng.integers(1, 100, size=int(rng.integers(dp, 10))).tolist()
+        loads = check_packing(lens, 100, dp, data.pack_micro_batches(lens, 100, dp))
+        opt = min(max(sum(l for l, r in zip(lens, assign) if r == k) for k in range(dp))
+                  for assign in itertools.product(range(dp), repeat=len(lens)))
+        assert max(loads) <= (4 / 3 - 1 / (3 * dp)) * opt + 1e-9
+
+
+def test_packing_hand_example_and_errors():
+    # LPT: 9->r0, 7->r1, 6->r1 (7<9), 4->r0 (9<13): loads 13/13; FFD with budget 10: r0 [9],[4]; r1 [7],[6]
+    assert data.pack_micro_batches([4, 9, 6, 7], 10, 2) == [[[1], [0]], [[3], [2]]]
+    # one rank packs into 1 micro-batch, the other needs 2: the first splits rather than idling
+    res = data.pack_micro_batches([5, 5, 1, 1, 1, 1], 10, 2)
+    check_packing([5, 5, 1, 1, 1, 1], 10, 2, res)
+    assert all(len(mb) > 0 for r in res for mb in r)
+    # too few sequences to split: empty micro-batches pad the count
+    # LPT: 6->r0, 6->r1, 3->r0 (tie, lower rank); r1's single sequence cannot be split
+    assert data.pack_micro_batches([6, 6, 3], 6, 2) == [[[0], [2]], [[1], []]]
+    assert data.pack_micro_batches([], 10, 3) == [[], [], []]
+    with pytest.raises(ValueError, match="sequence 1 has 11 tokens, more than max_tokens_per_micro_batch=10"):
+        data.pack_micro_batches([3, 11], 10, 2)
+
+
+def test_packed_inputs_hand_example():
+    for seqs in ([[5, 6, 7], [8], [9, 10]], [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]):
+        out = data.packed_inputs(seqs)
+        assert out["input_ids"].dtype == torch.long and out["input_ids"].tolist() == [5, 6, 7, 8, 9, 10]
+        assert out["position_ids"].dtype == torch.long and out["position_ids"].tolist() == [0, 1, 2, 0, 0, 1]
+        assert out["cu_seqlens"].dtype == torch.int32 and out["cu_seqlens"].tolist() == [0, 3, 4, 6]
+        assert out["max_seqlen"] == 3 and isinstance(out["max_seqlen"], int)
+    with pytest.raises(ValueError):
+        data.packed_inputs([])
+
+
+# ----------------------------------------------------------------------------- synthetic task
+
+
+def test_synthetic_cli(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "syn"
+    subprocess.run([sys.executable, os.path.join(REPO, "data.py"), "synthetic", "--out", str(out), "--task", "add",
+                    "--n-train", "60", "--n-test", "10", "--seed", "3"], check=True, capture_output=True)
+    tok = AutoTokenizer.from_pretrained(str(out / "model"))
+    cfg = AutoConfig.from_pretrained(str(out / "model"))
+    raw = json.loads((out / "model" / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen2ForCausalLM"] and raw["model_type"] == "qwen2" and raw["rope_theta"] == 10000
+    assert len(tok) <= 25 and cfg.vocab_size == -(-len(tok) // 8) * 8 and cfg.tie_word_embeddings
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.max_position_embeddings) == (64, 128, 2, 4, 2, 128)
+    assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    rows = pq.read_table(str(out / "train.parquet")).to_pylist()
+    assert len(rows) == 60 and len(pq.read_table(str(out / "test.parquet"))) == 10
+    for r in rows:
+        content = r["prompt"][0]["content"]
+        a, b = map(int, re.fullmatch(r"(\d)\+(\d)=", content).groups())
+        assert r["reward_model"]["ground_truth"] == str(a + b) and a + b <= 9 and r["data_source"] == "synthetic/add"
+        ids = tok(content, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(content) and tok.decode(ids) == content
+    assert tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False) == \
+        f"<|im_start|>{rows[0]['prompt'][0]['content']}<|im_end|><|im_start|>"
+    ds = data.PromptDataset([str(out / "train.parquet")], data.load_tokenizer(str(out / "model")), 16)
+    assert ds[0]["prompt_ids"] == [tok.convert_tokens_to_ids("<|im_start|>"), *tok(rows[0]["prompt"][0]["content"])
+                                   ["input_ids"], tok.eos_token_id, tok.convert_tokens_to_ids("<|im_start|>")]
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert model(torch.tensor([ds[0]["prompt_ids"]])).logits.shape == (1, 7, cfg.vocab_size)
+
+    data.main(["synthetic", "--out", str(tmp_path / "copy"), "--n-train", "30", "--n-test", "5"])
+    copy_rows = pq.read_table(str(tmp_path / "copy" / "train.parquet")).to_pylist()
+    for r in copy_rows:
+        assert r["prompt"][0]["content"] == "copy " + r["reward_model"]["ground_truth"]
+        assert r["data_source"] == "synthetic/copy" and r["extra_info"]["split"] == "train"
+        ids = tok(r["prompt"][0]["content"], add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == r["prompt"][0]["content"] and len(ids) == 6
+    assert len({r["reward_model"]["ground_truth"] for r in copy_rows}) > 5
