@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel import ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, stage_layers
+from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                      stage_layers)
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3"}
@@ -197,10 +198,12 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
     if backend == "flash":
         return FLASH_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
     if backend == "varlen":
-        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-        if "is_causal" in _VARLEN_PARAMS:  # torch <= 2.11 spells causality this way
-            return TORCH_VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, is_causal=True,
-                                scale=scale, **gqa)
+        gqa = {}
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in _VARLEN_PARAMS:
+                gqa = {"enable_gqa": True}
+            else:  # torch 2.11's varlen_attn wants as many k/v heads as q heads
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         return TORCH_VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0),
                             scale=scale, **gqa)
     # SDPA over the whole pack with a block-diagonal causal mask: O(T^2) memory, meant for CPU
@@ -217,7 +220,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
 
 def decode_attention(q, k_cache, v_cache, lengths):
     """One new query per cache row. q [B, H, d]; caches [B, Hkv, L, d]; row b attends to its first
-    lengths[b] positions. Written as two batched matmuls so it is CUDA-graph friendly."""
+    lengths[b] positions. Written as two batched matmuls so it is CUDA-graph friendly; the (row, kv head)
+    batch folds into one strided bmm even when the caches are a prefix [:, :, :L] of longer rows."""
     B, H, d = q.shape
     hkv, L = k_cache.shape[1], k_cache.shape[2]
     qg = q.view(B, hkv, H // hkv, d)
@@ -234,7 +238,9 @@ class AttnContext:
 
     train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token,
     the cache row `slots` it belongs to (positions come from position_ids).  decode: `cache`,
-    one token per cache row 0..B-1, and `lengths` = tokens in each row after this one is written.
+    one token per cache row 0..B-1 at position lengths-1 (position_ids), `lengths` = tokens in each
+    row after this one is written, and optionally max_seqlen >= max(lengths) to read only that
+    prefix of the rows (0: the whole row).
     """
 
     cu_seqlens: torch.Tensor | None = None
@@ -302,9 +308,10 @@ class Attention(nn.Module):
         c = ctx.cache
         if ctx.lengths is not None:  # decode: token b is the next token of cache row b
             rows = torch.arange(T, device=x.device)
-            c.k[self.layer_idx, rows, :, ctx.lengths - 1] = k
-            c.v[self.layer_idx, rows, :, ctx.lengths - 1] = v
-            o = decode_attention(q, c.k[self.layer_idx, :T], c.v[self.layer_idx, :T], ctx.lengths)
+            c.k[self.layer_idx, rows, :, ctx.positions] = k
+            c.v[self.layer_idx, rows, :, ctx.positions] = v
+            L = ctx.max_seqlen or c.max_len  # attend over the first L positions only (L >= every length)
+            o = decode_attention(q, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths)
         else:
             if c is not None:  # prefill: remember this prompt's k/v for the decode steps
                 c.k[self.layer_idx, ctx.slots, :, ctx.positions] = k
@@ -392,7 +399,8 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits, in fp32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        # copy_to_tp: each rank's logits slice sees all of `hidden`, so its gradient is summed over TP
+        return F.linear(copy_to_tp(hidden, self.layout.tp_group), self.lm_head.weight).float()
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.value_head(hidden).squeeze(-1).float()

@@ -30,11 +30,40 @@ Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row
 replicated) and `tp_parts` (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a
 fused qkv projection: each piece is split separately on head boundaries and the local shard is
 the concatenation of the local pieces). Loading, resharding and export all follow this one rule.
+
+Log-probs over a split vocabulary
+---------------------------------
+With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only
+three all-reduces of one number per token: the max (for stability), the sum of exp(z - max), and
+z_t itself (the rank that owns token t contributes it, the others zero). The entropy
+H = logsumexp(z) - sum_j p_j z_j adds one more. The backward is local too:
+d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]).
+
+Pipeline parallelism: the 1F1B schedule
+---------------------------------------
+Stage s holds layers [start_s, end_s). A batch is cut into m micro-batches; activations flow
+s -> s+1, their gradients s+1 -> s. Stage s first runs pp-s-1 forwards (warmup), then alternates
+one forward and one backward (steady state), then drains the remaining backwards (cooldown):
+
+    stage 0:  F0 F1 F2 F3 B0 F4 B1 F5 B2 .. B5          (pp = 4, m = 6)
+    stage 3:           F0 B0 F1 B1 F2 B2 .. B5
+
+so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m
+of the step. Each exchange posts its sends and receives together (one batch of P2P ops), which
+pairs the two sides' messages and cannot deadlock.
+
+Data parallelism and ZeRO-1
+---------------------------
+DP replicas see different micro-batches; their gradients are summed (the loss is already
+normalised by the global token count). All parameters of a rank live, for the optimizer, in one
+flat fp32 buffer cut into dp equal shards: ZeRO-1 keeps the fp32 master weights and both Adam
+moments of one shard per DP rank (1/dp of the optimizer state), reduce-scatters the gradients
+so that each rank receives the summed gradient of its shard, updates it, and all-gathers the
+updated shards back into every replica's compute weights.
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -283,3 +312,454 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
+
+
+# ----------------------------------------------------------------------------- vocab-parallel log-probs
+
+
+def _group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _VocabParallelLogProb(torch.autograd.Function):
+    """log p(target) and (optionally) the entropy of softmax(logits / temperature) over a vocabulary
+    split across the TP group. Saves p (and z for the entropy) and reuses them in place in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, temperature, with_entropy):
+        z = logits.float() / temperature  # a fresh tensor: the caller's logits are never modified
+        vmax = z.max(dim=-1).values
+        all_reduce(vmax, group, dist.ReduceOp.MAX)
+        z.sub_(vmax.unsqueeze(-1))
+        p = torch.exp(z)
+        sum_exp = all_reduce(p.sum(-1), group)
+        lse = sum_exp.log()
+        n = z.shape[-1]
+        local = targets - _group_rank(group) * n
+        own = (local >= 0) & (local < n)
+        local = local.clamp(0, n - 1)
+        z_t = all_reduce(z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~own, 0.0), group)
+        logp = z_t - lse
+        p.div_(sum_exp.unsqueeze(-1))
+        ctx.group, ctx.temperature, ctx.with_entropy, ctx.dtype = group, temperature, with_entropy, logits.dtype
+        if not with_entropy:
+            ctx.save_for_backward(p, local, own)
+            return logp, logp.new_empty(0)
+        # E_p[z] as a batched dot product: no third [T, V/tp] temporary
+        ez = all_reduce(torch.bmm(p.unsqueeze(1), z.unsqueeze(-1)).view(-1), group)
+        ctx.save_for_backward(p, local, own, z, ez)
+        return logp, lse - ez
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        if ctx.with_entropy:
+            p, local, own, z, ez = ctx.saved_tensors
+            # -p * (g_logp + g_ent * (z - E_p[z])), built in z's memory
+            grad = z.sub_(ez.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_logp.unsqueeze(-1)).mul_(p).neg_()
+        else:
+            p, local, own = ctx.saved_tensors
+            grad = p.mul_(-g_logp.unsqueeze(-1))
+        grad.scatter_add_(-1, local.unsqueeze(-1), (g_logp * own).unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group, temperature: float = 1.0,
+                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of `targets` [T] (global ids) under softmax(logits / temperature), and the
+    entropy of that distribution when asked; `logits` is this rank's vocabulary slice [T, V/tp].
+
+    Memory: the forward keeps p (and z = logits/temperature for the entropy) for the backward,
+    which reuses them in place: one [T, V/tp] fp32 copy (two with the entropy) per call lives
+    until the backward. To bound it, split long packs into smaller micro-batches. The backward
+    may run only once (no retain_graph double pass).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
+    logp, ent = _VocabParallelLogProb.apply(logits, targets, tp_group, float(temperature), with_entropy)
+    return logp, (ent if with_entropy else None)
+
+
+# ----------------------------------------------------------------------------- pipeline schedule
+
+
+def _tokens(mb: dict) -> int:
+    return mb["input_ids"].numel()
+
+
+def _detach(out: dict) -> dict:
+    return {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
+
+
+def _forward_step(model, layout: Layout, mb: dict, x, loss_fn):
+    """One stage's forward of one micro-batch: hidden states to send on, or (loss, outputs) at the end."""
+    h = model.packed(mb["input_ids"] if layout.is_first_stage else x, mb["position_ids"], mb["cu_seqlens"],
+                     mb["max_seqlen"])
+    if not layout.is_last_stage:
+        return h, None
+    res = loss_fn(model, h, mb)
+    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
+        raise TypeError("loss_fn(model, hidden, mb) must return (loss: 0-dim tensor, outputs: dict of tensors)")
+    return res[0], _detach(res[1])
+
+
+def _backward_step(x, y, dy):
+    """Backpropagate one micro-batch through this stage; returns the gradient of its input (or None)."""
+    torch.autograd.backward(y, grad_tensors=dy)
+    return None if x is None else x.grad
+
+
+_WARM_GROUPS: set = set()
+
+
+def _p2p(layout: Layout, recv_buffer, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+    """Post this stage's sends and receives as one batch and wait for all of them.
+
+    recv_prev / recv_next name the micro-batch whose activation / gradient is expected; its shape
+    [tokens, hidden] is known from the micro-batch itself (every rank of a PP group has the same
+    list), so no shape message is needed.
+    """
+    first, last = layout.is_first_stage, layout.is_last_stage
+    prev_rank = None if first else layout.pp_ranks[layout.pp_rank - 1]
+    next_rank = None if last else layout.pp_ranks[layout.pp_rank + 1]
+    ops, got_prev, got_next = [], None, None
+    if send_next is not None and not last:
+        ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), next_rank, layout.pp_group))
+    if send_prev is not None and not first:
+        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), prev_rank, layout.pp_group))
+    if recv_prev is not None and not first:
+        got_prev = recv_buffer(recv_prev)
+        ops.append(dist.P2POp(dist.irecv, got_prev, prev_rank, layout.pp_group))
+    if recv_next is not None and not last:
+        got_next = recv_buffer(recv_next)
+        ops.append(dist.P2POp(dist.irecv, got_next, next_rank, layout.pp_group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return got_prev, got_next
+
+
+def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], loss_fn,
+                              forward_only: bool = False) -> list[dict]:
+    """Run every micro-batch forward (and backward) through the pipeline with the 1F1B schedule.
+
+    Each micro-batch is a packed dict (input_ids, position_ids, cu_seqlens, max_seqlen, plus what
+    loss_fn needs); all ranks of a PP group pass the same list. `loss_fn(model, hidden, mb) ->
+    (loss, outputs)` runs on the last stage; gradients accumulate as usual (into the optimizer's
+    buffers). Returns the detached `outputs` of each micro-batch on the last stage and empty dicts
+    elsewhere. Empty micro-batches skip the model; the last stage still calls loss_fn on an empty
+    hidden (without grad) so every micro-batch has its outputs.
+    """
+    work = [i for i, mb in enumerate(micro_batches) if _tokens(mb) > 0]
+    mbs = [micro_batches[i] for i in work]
+    outputs: list[dict] = [{} for _ in micro_batches]
+    param = next(model.parameters())
+    if layout.pp == 1:
+        for i, mb in zip(work, mbs):
+            with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+                loss, outputs[i] = _forward_step(model, layout, mb, None, loss_fn)
+            if not forward_only:
+                loss.backward()
+    else:
+        if layout.pp_group not in _WARM_GROUPS:  # NCCL wants the whole group in its first collective
+            all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
+            _WARM_GROUPS.add(layout.pp_group)
+
+        def recv_buffer(mb):
+            return torch.empty(_tokens(mb), model.cfg.hidden_size, dtype=param.dtype, device=param.device)
+
+        got = _1f1b(model, layout, mbs, loss_fn, forward_only, recv_buffer)
+        for i, out in zip(work, got):
+            outputs[i] = out
+    if layout.is_last_stage:  # empty micro-batches: loss_fn on an empty hidden gives their outputs
+        with torch.no_grad():
+            for i, mb in enumerate(micro_batches):
+                if _tokens(mb) == 0:
+                    outputs[i] = _detach(loss_fn(model, param.new_zeros(0, model.cfg.hidden_size), mb)[1])
+    return outputs
+
+
+def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, recv_buffer) -> list[dict]:
+    n = len(mbs)
+    outputs: list[dict] = [{} for _ in mbs]
+    if forward_only:  # all forwards in order; activations only flow downstream
+        with torch.no_grad():
+            for k in range(n):
+                x, _ = _p2p(layout, recv_buffer, recv_prev=mbs[k])
+                y, out = _forward_step(model, layout, mbs[k], x, loss_fn)
+                outputs[k] = out or {}
+                _p2p(layout, recv_buffer, send_next=y)
+        return outputs
+    warmup = min(layout.pp - layout.pp_rank - 1, n)
+    inflight: list[tuple] = []  # (input, output) of micro-batches whose backward is pending, oldest first
+
+    def forward(k, x):
+        if x is not None:
+            x.requires_grad_()
+        y, out = _forward_step(model, layout, mbs[k], x, loss_fn)
+        outputs[k] = out or {}
+        inflight.append((x, y))
+        return y
+
+    for k in range(warmup):
+        x, _ = _p2p(layout, recv_buffer, recv_prev=mbs[k])
+        _p2p(layout, recv_buffer, send_next=forward(k, x))
+    x = _p2p(layout, recv_buffer, recv_prev=mbs[warmup])[0] if warmup < n else None
+    for j in range(n - warmup):  # steady state: forward k = warmup + j, backward j
+        y = forward(warmup + j, x)
+        _, dy = _p2p(layout, recv_buffer, send_next=y, recv_next=mbs[j])
+        dx = _backward_step(*inflight.pop(0), dy)
+        last = warmup + j + 1 == n
+        x, _ = _p2p(layout, recv_buffer, send_prev=dx, recv_prev=None if last else mbs[warmup + j + 1])
+    for j in range(n - warmup, n):  # cooldown
+        _, dy = _p2p(layout, recv_buffer, recv_next=mbs[j])
+        _p2p(layout, recv_buffer, send_prev=_backward_step(*inflight.pop(0), dy))
+    return outputs
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def broadcast_from_last_stage(obj, layout: Layout):
+    """Give every rank of the PP group the last stage's `obj` (picklable; tensors arrive on the CPU)."""
+    if layout.pp_group is None:
+        return obj
+    box = [_to_cpu(obj) if layout.is_last_stage else None]
+    dist.broadcast_object_list(box, src=layout.pp_ranks[-1], group=layout.pp_group)
+    return box[0]
+
+
+# ----------------------------------------------------------------------------- DP + ZeRO-1 AdamW
+
+# torch >= 2.13 renames the flat collectives (the old names warn); older versions have only the old ones
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _is_nccl(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+class ShardedAdamW:
+    """AdamW with fp32 master weights and moments sharded over the DP group (ZeRO-1).
+
+    The flat buffer orders this rank's parameters by kind (see _kind), so that each property the
+    optimizer needs (weight decay or not, how the parameter counts in the grad norm, whether its
+    gradient is a TP partial sum) covers a few contiguous runs instead of a per-element mask.
+    Gradients accumulate into a full fp32 buffer through post-accumulate hooks (p.grad is freed
+    at once), so micro-batch accumulation of bf16 grads loses nothing. Weight decay is decoupled
+    and, as is common practice, skipped for 1-D parameters (norm weights, biases).
+    """
+
+    def __init__(self, model: nn.Module, layout: Layout, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        self.layout, self.lr, self.betas, self.eps, self.weight_decay = layout, lr, tuple(betas), eps, weight_decay
+        self.step_count = 0
+        named = list(model.named_parameters())
+        if len({p.dtype for _, p in named}) != 1:
+            raise ValueError(f"ShardedAdamW needs one compute dtype, got {sorted({str(p.dtype) for _, p in named})}")
+        dev = named[0][1].device
+        # pp > 1 with tied embeddings: the first stage's embed_tokens and the last stage's lm_head are
+        # copies kept equal by summing their grads; the last stage's copy is left out of the norm.
+        self.tied = None
+        if layout.embed_group is not None and getattr(model.cfg, "tie_word_embeddings", False):
+            mine = model.embed_tokens if layout.is_first_stage else model.lm_head
+            both = all_reduce(torch.tensor([float(mine is not None)], device=dev), layout.embed_group,
+                              dist.ReduceOp.MIN)
+            if both.item() == 1.0:
+                self.tied = mine.weight
+        # flat order: the tied copy, replicated, sharded, then TP-partial last (one contiguous all-reduce)
+        named.sort(key=lambda item: self._kind(item[1])[::-1])
+        self.params = [p for _, p in named]
+        self.index, off = [], 0  # (name, offset, shape): where each parameter lives in the flat buffer
+        for name, p in named:
+            self.index.append((name, off, tuple(p.shape)))
+            off += p.numel()
+        self.numel = off
+        dp = layout.dp
+        size = -(-off // dp)
+        self.shard = (layout.dp_rank * size, (layout.dp_rank + 1) * size)
+        self.grad_buffer = torch.zeros(size * dp, dtype=torch.float32, device=dev)
+        self.views = [self.grad_buffer[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
+        with torch.no_grad():  # stage the parameters in the (still empty) grad buffer to cut the master shard
+            torch._foreach_copy_(self.views, self.params)
+            self.master = self.grad_buffer[self.shard[0]:self.shard[1]].clone()
+            self.grad_buffer.zero_()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.segments = self._segments()
+        self.tied_grad = next((v for p, v in zip(self.params, self.views) if p is self.tied), None)
+        kinds = [self._kind(p) for p in self.params]
+        partial = [i for i, k in enumerate(kinds) if k[2]]
+        self.partial = (self.index[partial[0]][1], self.numel) if partial and layout.tp_group is not None else None
+        for h in getattr(model, "_sharded_adamw_hooks", []):  # a new optimizer of this model replaces the old
+            h.remove()
+        model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(self._hook(v))
+                                      for p, v in zip(self.params, self.views) if p.requires_grad]
+
+    def _kind(self, p) -> tuple[bool, float, bool]:
+        """(weight decay?, weight in the grad norm, TP-partial grad?). The norm weight is 1 for TP-sharded
+        parameters, 1/tp for replicated ones (every TP rank holds the same copy), 0 for the tied copy."""
+        partial = bool(getattr(p, "tp_partial_grad", False))
+        weight = 0.0 if p is self.tied and not self.layout.is_first_stage else (
+            1.0 if p.tp_dim is not None else 1.0 / self.layout.tp)
+        return p.dim() >= 2, weight, partial
+
+    def _segments(self) -> list[tuple[int, int, bool, float]]:
+        """Runs (start, end, decay, norm weight) of equal kind, clipped to this rank's shard and made local."""
+        lo, hi = self.shard
+        runs = []
+        for (_, off, _), p in zip(self.index, self.params):
+            decay, weight, _ = self._kind(p)
+            if runs and runs[-1][2:] == (decay, weight):
+                runs[-1] = (runs[-1][0], off + p.numel(), decay, weight)
+            else:
+                runs.append((off, off + p.numel(), decay, weight))
+        return [(max(a, lo) - lo, min(b, hi) - lo, d, w) for a, b, d, w in runs if a < hi and b > lo]
+
+    @staticmethod
+    def _hook(view):
+        def accumulate(p):
+            view.add_(p.grad)
+            p.grad = None
+        return accumulate
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's shard of the flat fp32 gradient (complete after reduce_gradients)."""
+        return self.grad_buffer[self.shard[0]:self.shard[1]]
+
+    def reduce_gradients(self) -> None:
+        """Complete the accumulated gradients: TP partial sums, tied embedding copies, then the DP sum
+        into this rank's shard (reduce-scatter; gloo, lacking it in older torch, all-reduces)."""
+        lay, buf = self.layout, self.grad_buffer
+        if self.partial is not None:
+            all_reduce(buf[self.partial[0]:self.partial[1]], lay.tp_group)
+        if self.tied is not None:
+            all_reduce(self.tied_grad, lay.embed_group)
+        if lay.dp_group is not None:
+            if _is_nccl(lay.dp_group):  # in place: rank r's output is its own slice of the input
+                _reduce_scatter_flat(self.grad_shard(), buf, group=lay.dp_group)
+            else:
+                all_reduce(buf, lay.dp_group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the gradient shard so that the global L2 norm is at most max_norm; returns the norm
+        before clipping (non-finite norms are returned as they are and nothing is scaled; the caller
+        should skip the step). max_norm <= 0 only measures.
+
+        Every element counts once over the whole grid: DP shards are disjoint, PP stages hold
+        different layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count
+        1/tp on each of the tp ranks holding them; so one all-reduce over the world sums it all.
+        """
+        g = self.grad_shard()
+        sq = torch.zeros((), dtype=torch.float32, device=g.device)
+        for a, b, _, w in self.segments:
+            if w:
+                sq += w * torch.linalg.vector_norm(g[a:b]).square()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        norm = sq.sqrt().item()
+        if max_norm > 0 and math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                g.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> None:
+        """One AdamW step on this rank's shard, then publish the updated weights to every replica."""
+        lr = self.lr if lr is None else lr
+        self.step_count += 1
+        t, (b1, b2), g = self.step_count, self.betas, self.grad_shard()
+        if self.weight_decay:
+            for a, b, decay, _ in self.segments:
+                if decay:
+                    self.master[a:b].mul_(1.0 - lr * self.weight_decay)
+        self.exp_avg.lerp_(g, 1.0 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(self.eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / (1.0 - b1 ** t))
+        self._publish()
+
+    def _publish(self) -> None:
+        """All-gather the master shards into the compute parameters (cast to their dtype). The fp32 grad
+        buffer is spent by now: its memory stages the gathered weights, and it is zeroed after."""
+        dtype, lay = self.params[0].dtype, self.layout
+        n = self.grad_buffer.numel()
+        full = self.grad_buffer.view(torch.uint8)[:n * dtype.itemsize].view(dtype)
+        mine = self.master.to(dtype)
+        if lay.dp_group is None:
+            full.copy_(mine)
+        elif _is_nccl(lay.dp_group):
+            _all_gather_flat(full, mine, group=lay.dp_group)
+        else:
+            dist.all_gather(list(full.chunk(lay.dp)), mine, group=lay.dp_group)
+        views = [full[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
+        torch._foreach_copy_(self.params, views)
+        self.grad_buffer.zero_()
+
+    def num_state_elements(self) -> int:
+        return self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
+
+    def state_dict(self) -> dict:
+        """This rank's shard: master weights, moments, step count, and the flat index they refer to."""
+        return {"step": self.step_count, "master": self.master, "exp_avg": self.exp_avg,
+                "exp_avg_sq": self.exp_avg_sq, "shard": self.shard, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a shard saved by the same layout; the master weights are the truth and are
+        published into the compute parameters."""
+        if state["index"] != self.index or tuple(state["shard"]) != self.shard:
+            raise ValueError(f"optimizer state does not fit: saved for shard {tuple(state['shard'])} of "
+                             f"{len(state['index'])} parameters, this rank has shard {self.shard} of "
+                             f"{len(self.index)}; resume with the same model and (tp, pp, dp) layout")
+        self.step_count = int(state["step"])
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, name).copy_(state[name])
+        with torch.no_grad():
+            self._publish()
+
+
+def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int = 0, schedule: str = "constant",
+          min_lr_ratio: float = 0.0) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup from lr/warmup_steps to lr over
+    warmup_steps, then constant, cosine or linear decay to min_lr_ratio * lr at total_steps."""
+    if schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"lr schedule {schedule!r} is not one of 'constant', 'cosine', 'linear'")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * shape)
+
+
+# ----------------------------------------------------------------------------- sharded model state
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's local shards under our parameter names (layer indices are local to the stage:
+    global index = model.layer_start + i)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def shard_name(layout: Layout, with_dp: bool = False) -> str:
+    """File stem of a rank's shard: 'pp{p}_tp{t}' for model weights (identical over DP), with a
+    'dp{d}_' prefix for optimizer state, which differs per DP rank."""
+    stem = f"pp{layout.pp_rank}_tp{layout.tp_rank}"
+    return f"dp{layout.dp_rank}_{stem}" if with_dp else stem

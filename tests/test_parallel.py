@@ -1,0 +1,349 @@
+"""parallel.py against one process: vocab-parallel log-probs, the 1F1B pipeline, DP + ZeRO-1 AdamW
+with clipping, every (tp, pp, dp) layout on 2 and 4 gloo processes, layout errors, LR schedules.
+
+References are independent of the code under test: dense log_softmax for the vocab-parallel
+log-probs, and for the layouts a one-process model with F.cross_entropy, autograd gradients,
+torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import helpers
+from model import ModelConfig, load_model
+from parallel import (ShardedAdamW, broadcast_from_last_stage, lr_at, make_layout, model_state,
+                      pipeline_forward_backward, shard_name, validate_layout, vocab_parallel_logprobs)
+
+V = helpers.TINY_VOCAB
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+MAX_NORM = 0.05
+TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1)]           # tp=2, pp=2, dp=2
+TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2)]          # tp2 x dp2, tp2 x pp2, pp2 x dp2
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def micro_batch(lens, gen):
+    """A packed micro-batch of random sequences with random next-token targets (lens may be empty)."""
+    seqs = [torch.randint(0, V, (n,), generator=gen) for n in lens]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.long)
+    pos = torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
+    return {"input_ids": ids, "position_ids": pos, "cu_seqlens": cu, "max_seqlen": max(lens, default=0),
+            "targets": torch.randint(0, V, (len(ids),), generator=gen)}
+
+
+def make_steps(seed, n_steps=3, n_mb=6):
+    """n_steps global batches of n_mb micro-batches of different lengths; one is empty in the first."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for s in range(n_steps):
+        lens = [[int(x) for x in torch.randint(3, 16, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                                 generator=gen)] for _ in range(n_mb)]
+        if s == 0:
+            lens[1] = []
+        batch = [micro_batch(ls, gen) for ls in lens]
+        total = sum(len(mb["input_ids"]) for mb in batch)
+        for mb in batch:
+            mb["denom"] = float(total)  # the global token count: the DP split does not change the loss
+        steps.append(batch)
+    return steps
+
+
+def token_mean_loss(layout):
+    def loss_fn(model, hidden, mb):
+        logp, _ = vocab_parallel_logprobs(model.logits(hidden), mb["targets"], layout.tp_group)
+        loss = -logp.sum() / mb["denom"]
+        return loss, {"loss": loss, "logp": logp}
+    return loss_fn
+
+
+def local_slice(full, tp_dim, parts, tp, r):
+    if tp_dim is None:
+        return full
+    return torch.cat([piece.chunk(tp, dim=tp_dim)[r] for piece in full.split(parts, dim=tp_dim)], dim=tp_dim)
+
+
+def flat_to_params(flat, index):
+    return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in index}
+
+
+# ----------------------------------------------------------------------------- distributed bodies
+
+
+def _train_case(path, tp, pp, steps):
+    lay = make_layout(tp, pp)
+    model = load_model(path, lay)
+    opt = ShardedAdamW(model, lay, **HP)
+    loss_fn = token_mean_loss(lay)
+    mine = [batch[lay.dp_rank::lay.dp] for batch in steps]  # this DP rank's micro-batches
+    res = {"coords": (lay.dp_rank, lay.pp_rank, lay.tp_rank), "dp": lay.dp, "start": model.layer_start,
+           "report": lay.is_last_stage and lay.tp_rank == 0, "index": opt.index, "shard": opt.shard,
+           "state_elements": opt.num_state_elements(), "numel": opt.numel, "losses": [], "norms": [],
+           "shard_name": shard_name(lay, with_dp=True),
+           "meta": {n: (p.tp_dim, p.tp_parts) for n, p in model.named_parameters()}}
+    with torch.no_grad():  # forward-only: log-probs of step 0's micro-batches
+        outs = pipeline_forward_backward(model, lay, mine[0], loss_fn, forward_only=True)
+    res["logp"] = [o.get("logp") for o in outs]
+    res["bcast"] = broadcast_from_last_stage([o.get("loss") for o in outs], lay)
+    for s, mbs in enumerate(mine):
+        opt.zero_grad()
+        outs = pipeline_forward_backward(model, lay, mbs, loss_fn)
+        res["losses"].append(sum(float(o["loss"]) for o in outs) if lay.is_last_stage else None)
+        opt.reduce_gradients()
+        if s == 0:
+            res["grad_shard"] = opt.grad_shard().clone()
+        res["norms"].append(opt.clip_grad_norm(MAX_NORM))
+        opt.step()
+    res["params"] = {n: p.detach().clone() for n, p in model_state(model).items()}
+    res["master_roundtrip"] = _state_roundtrip(opt)
+    res["republished"] = all(torch.equal(p, res["params"][n]) for n, p in model_state(model).items())
+    return res
+
+
+def _state_roundtrip(opt):
+    sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state_dict().items()}
+    opt.master.zero_()
+    opt.load_state_dict(sd)
+    return torch.equal(opt.master, sd["master"]) and opt.step_count == sd["step"]
+
+
+def _split_case(path, batch):
+    lay = make_layout(1, 1)
+    model = load_model(path, lay)
+    opt = ShardedAdamW(model, lay, **HP)
+    pipeline_forward_backward(model, lay, batch[lay.dp_rank::lay.dp], token_mean_loss(lay))
+    opt.reduce_gradients()
+    return {"dp_rank": lay.dp_rank, "grad_shard": opt.grad_shard().clone(), "index": opt.index}
+
+
+def _vocab_case(logits, targets, w_logp, w_ent, temperature):
+    lay = make_layout(2, 1) if torch.distributed.is_initialized() else make_layout(1, 1)
+    local = logits.chunk(lay.tp, dim=-1)[lay.tp_rank].clone().requires_grad_()
+    logp, ent = vocab_parallel_logprobs(local, targets, lay.tp_group, temperature, with_entropy=True)
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    local2 = local.detach().clone().requires_grad_()
+    logp2, none = vocab_parallel_logprobs(local2, targets, lay.tp_group, temperature)
+    (logp2 * w_logp).sum().backward()
+    return {"logp": logp.detach(), "ent": ent.detach(), "grad": local.grad, "grad_logp_only": local2.grad,
+            "none": none}
+
+
+def _worker(rank, world, cases):
+    out = []
+    for kind, *args in cases:
+        out.append({"train": _train_case, "split": _split_case, "vocab": _vocab_case}[kind](*args))
+    return out
+
+
+# ----------------------------------------------------------------------------- one-process reference
+
+
+def reference(path, steps):
+    """Loss, gradients (step 0), grad norms and parameters after len(steps) AdamW steps, one process."""
+    model = load_model(path)
+    params = dict(model.named_parameters())
+    groups = [{"params": [p for p in params.values() if p.dim() >= 2]},
+              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, **HP)
+    out = {"losses": [], "norms": [], "logp": []}
+    with torch.no_grad():
+        for mb in steps[0]:
+            logits = model.logits(model.packed(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"],
+                                               mb["max_seqlen"])) if len(mb["input_ids"]) else torch.zeros(0, V)
+            out["logp"].append(logits.log_softmax(-1).gather(-1, mb["targets"][:, None]).squeeze(-1))
+    for s, batch in enumerate(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for mb in batch:
+            if len(mb["input_ids"]):
+                h = model.packed(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], mb["max_seqlen"])
+                loss = loss + F.cross_entropy(model.logits(h), mb["targets"], reduction="sum") / mb["denom"]
+        loss.backward()
+        out["losses"].append(loss.item())
+        if s == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in params.items()}
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM).item())
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in params.items()}
+    out["init"] = {n: p.detach().clone() for n, p in load_model(path).named_parameters()}
+    out["numel"] = sum(p.numel() for p in params.values())
+    return out
+
+
+def ref_name(name, start, tied):
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        return f"layers.{start + int(i)}.{rest}"
+    return "embed_tokens.weight" if name == "lm_head.weight" and tied else name
+
+
+def check_train_case(results, ref, tp, pp, tied):
+    """Every rank's loss, grads (assembled over DP shards), norms and parameters vs the reference."""
+    dp = results[0]["dp"]
+    assert len(results) == dp * pp * tp
+    # the loss: sum over DP ranks of the last stage (tp rank 0)
+    reports = [r for r in results if r["report"]]
+    for s in range(len(ref["losses"])):
+        got = sum(r["losses"][s] for r in reports)
+        assert abs(got - ref["losses"][s]) <= 1e-5 * abs(ref["losses"][s]), (s, got, ref["losses"][s])
+        for r in results:  # the clipped norm is global: every rank returns the same number
+            assert abs(r["norms"][s] - ref["norms"][s]) <= 1e-5 * ref["norms"][s], (s, r["norms"][s])
+    assert min(ref["norms"]) > MAX_NORM  # clipping was active
+    # forward-only log-probs on the last stage, broadcast to the whole PP group
+    for r in reports:
+        mine = [lp for i, lp in enumerate(ref["logp"]) if i % dp == r["coords"][0]]
+        assert rel_err(torch.cat(r["logp"]), torch.cat(mine)) <= 1e-5
+    by_coord = {r["coords"]: r for r in results}
+    for r in results:
+        d, _, t = r["coords"]
+        assert [float(x) for x in r["bcast"]] == [float(x) for x in by_coord[(d, pp - 1, t)]["bcast"]]
+    for r in results:
+        d, p, t = r["coords"]
+        # ZeRO-1: 1/dp of the master weights and moments per rank
+        assert r["state_elements"] == 3 * -(-r["numel"] // dp)
+        assert r["master_roundtrip"] and r["republished"] and r["shard_name"] == f"dp{d}_pp{p}_tp{t}"
+        flat = torch.cat([by_coord[(k, p, t)]["grad_shard"] for k in range(dp)])
+        grads = flat_to_params(flat, r["index"])
+        assert set(grads) == set(r["params"])
+        for name, (tp_dim, parts) in r["meta"].items():
+            full = ref_name(name, r["start"], tied)
+            want = local_slice(ref["grads"][full], tp_dim, parts, tp, t)
+            assert rel_err(grads[name], want) <= 1e-5, (name, r["coords"], rel_err(grads[name], want))
+            want = local_slice(ref["params"][full], tp_dim, parts, tp, t)
+            init = local_slice(ref["init"][full], tp_dim, parts, tp, t)
+            assert rel_err(r["params"][name], want) <= 1e-5, (name, r["coords"], rel_err(r["params"][name], want))
+            assert rel_err(want, init) > 1e-4, name  # the steps moved it: the comparison can fail
+    if tied and pp > 1:  # the two copies of the tied embedding stayed equal
+        for t in range(tp):
+            first, last = by_coord[(0, 0, t)]["params"], by_coord[(0, pp - 1, t)]["params"]
+            assert torch.equal(first["embed_tokens.weight"], last["lm_head.weight"])
+
+
+def check_split(path, batch, results):
+    """dp ranks x (4/dp) micro-batches give the gradients of 1 x 4 micro-batches in one process."""
+    one = _split_case(path, batch)
+    n = sum(math.prod(shape) for _, _, shape in one["index"])
+    flat = torch.cat([r["grad_shard"] for r in sorted(results, key=lambda r: r["dp_rank"])])
+    assert all(r["index"] == one["index"] for r in results)
+    assert one["grad_shard"][:n].abs().max() > 0
+    assert rel_err(flat[:n], one["grad_shard"][:n]) <= 1e-6
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    fams = {f for f, _, _ in TP_CASES_2 + TP_CASES_4}
+    return {f: helpers.make_checkpoint(str(tmp_path_factory.mktemp(f)), f, with_tokenizer=False) for f in fams}
+
+
+def vocab_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(11, V, generator=g) * 3
+    return (logits, torch.randint(0, V, (11,), generator=g), torch.randn(11, generator=g),
+            torch.randn(11, generator=g), 0.7)
+
+
+def check_vocab(res, logits, targets, w_logp, w_ent, temperature):
+    x = logits.clone().requires_grad_()
+    logp_all = (x / temperature).log_softmax(-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    x2 = logits.clone().requires_grad_()
+    ((x2 / temperature).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1) * w_logp).sum().backward()
+    tp = len(res)
+    for r, rank_res in enumerate(res):
+        assert rel_err(rank_res["logp"], logp.detach()) <= 1e-5
+        assert rel_err(rank_res["ent"], ent.detach()) <= 1e-5
+        assert rank_res["none"] is None
+        assert rel_err(rank_res["grad"], x.grad.chunk(tp, dim=-1)[r]) <= 1e-5
+        assert rel_err(rank_res["grad_logp_only"], x2.grad.chunk(tp, dim=-1)[r]) <= 1e-5
+
+
+def test_vocab_parallel_logprobs_tp1():
+    args = vocab_inputs()
+    check_vocab([_vocab_case(*args)], *args)
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_logprobs(args[0], args[1], None, temperature=0.0)
+    empty, _ = vocab_parallel_logprobs(torch.zeros(0, V), torch.zeros(0, dtype=torch.long), None)
+    assert empty.shape == (0,)
+
+
+def test_two_processes(ckpts):
+    """tp=2, pp=2 (tied), dp=2 vs one process; vocab-parallel log-probs at tp=2; the 2x2 batch split."""
+    steps = make_steps(1)
+    split = make_steps(2, n_steps=1, n_mb=4)[0]
+    vocab = vocab_inputs(1)
+    cases = [("train", ckpts[f], tp, pp, steps) for f, tp, pp in TP_CASES_2]
+    cases += [("split", ckpts["qwen2"], split), ("vocab", *vocab)]
+    res = helpers.run_distributed(_worker, 2, cases)
+    for i, (f, tp, pp) in enumerate(TP_CASES_2):
+        check_train_case([r[i] for r in res], reference(ckpts[f], steps), tp, pp, f == "qwen2_tied")
+    check_vocab([r[-1] for r in res], *vocab)
+    check_split(ckpts["qwen2"], split, [r[-2] for r in res])
+
+
+def test_four_processes_and_batch_split(ckpts):
+    """tp2 x dp2, tp2 x pp2 (tied), pp2 x dp2 vs one process; the same batch as 1x4, 2x2, 4x1
+    (dp x micro-batches) gives the same gradients."""
+    steps = make_steps(3)
+    split = make_steps(2, n_steps=1, n_mb=4)[0]
+    cases = [("train", ckpts[f], tp, pp, steps) for f, tp, pp in TP_CASES_4] + [("split", ckpts["qwen2"], split)]
+    res = helpers.run_distributed(_worker, 4, cases)
+    for i, (f, tp, pp) in enumerate(TP_CASES_4):
+        check_train_case([r[i] for r in res], reference(ckpts[f], steps), tp, pp, f == "qwen2_tied")
+    check_split(ckpts["qwen2"], split, [r[-1] for r in res])
+
+
+def test_optimizer_single_process(ckpts):
+    model = load_model(ckpts["qwen2"])
+    opt = ShardedAdamW(model, make_layout(1, 1), **HP)
+    n = sum(p.numel() for p in model.parameters())
+    assert opt.numel == n and opt.num_state_elements() == 3 * n
+    # the flat buffer holds exactly the parameters, each once
+    assert sorted(name for name, _, _ in opt.index) == sorted(name for name, _ in model.named_parameters())
+    # a second optimizer of the same model takes over the gradient hooks (resume into another layout)
+    opt = ShardedAdamW(model, make_layout(1, 1), **HP)
+    ids = torch.randint(0, V, (7,))
+    model.logits(model.packed(ids, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)).sum().backward()
+    assert opt.grad_shard().abs().max() > 0 and all(p.grad is None for p in model.parameters())
+    bad = {**opt.state_dict(), "index": opt.index[1:]}
+    with pytest.raises(ValueError, match="same model and \\(tp, pp, dp\\) layout"):
+        opt.load_state_dict(bad)
+
+
+def test_invalid_layouts_fail_early(tmp_path):
+    cfg = ModelConfig.from_dir(helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False))
+    with pytest.raises(ValueError, match="world size 3 is not divisible by tp\\*pp = 2\\*1"):
+        validate_layout(cfg, 2, 1, 3)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp=8.*valid tp sizes.*\\[1, 2\\]"):
+        validate_layout(cfg, 8, 1, 8)
+    with pytest.raises(ValueError, match="pp=5 exceeds num_hidden_layers=4"):
+        validate_layout(cfg, 1, 5, 5)
+    with pytest.raises(ValueError, match="world size 1 is not divisible by tp\\*pp = 2\\*1"):
+        make_layout(2, 1)
+    validate_layout(cfg, 2, 2, 8)  # a valid one passes
+
+
+def test_lr_schedules():
+    assert lr_at(0, 10, 1.0, warmup_steps=4) == 0.25 and lr_at(3, 10, 1.0, warmup_steps=4) == 1.0
+    assert lr_at(9, 10, 2.0) == 2.0
+    # cosine: halfway between the end of warmup (2) and total (10) is 6 -> midpoint of [min, max]
+    assert lr_at(6, 10, 1.0, 2, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_at(10, 10, 1.0, 2, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_at(2, 10, 1.0, 2, "cosine") == pytest.approx(1.0)
+    assert lr_at(4, 10, 1.0, 2, "linear") == pytest.approx(0.75)  # 2 of 8 decay steps done
+    assert lr_at(50, 10, 1.0, 0, "linear", 0.2) == pytest.approx(0.2)  # clamped past the end
+    with pytest.raises(ValueError, match="'cosine'"):
+        lr_at(0, 10, 1.0, schedule="exp")
