@@ -1,0 +1,558 @@
+"""Moving weights between layouts: training <-> generation in place, and checkpoint -> Hugging Face.
+
+Why two layouts
+---------------
+Training wants tensor and pipeline parallelism (tp x pp) to fit activations and optimizer state;
+decoding is memory-bound and wants the smallest TP that fits and no pipeline, so that there are
+many independent replicas. The generation layout is (tp_g, pp = 1, dp_g = W / tp_g) over the same
+W ranks; between the two, the actor's weights are resharded in place (HybridFlow's 3D-HybridEngine).
+
+The grouping rule
+-----------------
+Choose the generation groups so that every rank's training shard is a part of its generation
+shard. With k = tp / tp_g, generation TP slice g is the union of training TP slices g*k .. g*k+k-1
+of every layer. The m = k * pp ranks of one training replica that hold those slices (k neighbouring
+TP ranks, all stages) form a *micro-DP group*: they all end up with the same generation shard, so
+one all-gather inside the group builds it, all groups gather concurrently, and nobody receives
+anything it does not keep. A rank's generation TP group is its stage's ranks with the same t % k;
+its generation TP rank is t // k. W=8, tp=4, pp=1, dp=2, tp_g=2:
+
+    training TP groups  [0 1 2 3] [4 5 6 7]
+    micro-DP groups     [0 1] [2 3] [4 5] [6 7]     rank 2 holds slice 2, gathers 3 -> slices 2-3
+    generation TP       [0 2] [1 3] [4 6] [5 7]     = generation shard 1 of group [0 2]
+
+With pp > 1 the micro-DP group spans the stages: a rank also gathers the other stages' layers of
+its slices. tp_g > tp is allowed from tp = 1: replicas d = d0*n .. d0*n+n-1 (n = tp_g) form a
+generation TP group and replica d keeps slice d % n, just narrowing its shard (and, with pp > 1,
+gathering the other stages' narrowed layers from its PP group). From tp > 1 the generation TP rank
+could not follow the global rank order, which torch's groups impose and vocab-parallel sampling uses.
+
+Fused parameters follow `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks are
+merged piece by piece into [q_t .. q_t+k-1; k ..; v ..], on head boundaries.
+
+Memory
+------
+Each bucket (whole layers, about `bucket_bytes` gathered) is one flat in-place all-gather: a rank
+copies its part into its slot and releases its training tensor (the Parameter, its hooks and the
+optimizer's references stay; only its storage is swapped for an empty one). The gathered bucket
+becomes the generation weights: views into it when k = 1, merged copies when k > 1 (the bucket is
+then freed at once). On exit each released training tensor is rebuilt from its slice of the
+generation weights, bit for bit, and everything gathered is dropped. Extra bytes a rank allocates,
+less what it releases, measured in `stats`:
+    tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
+    tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
+    tp_g >  tp:           <= gen + padding (the training shard stays whole: it is more than gen)
+Padding is where stages differ (the embedding of the first stage against the head of the last).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model import ModelConfig, Transformer
+from parallel import Layout, model_state, shard_name, stage_layers, validate_layout
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# ----------------------------------------------------------------------------- the grouping
+
+
+def _split(tp: int, tp_g: int) -> tuple[int, int]:
+    """(k, n): k training slices make one generation slice, or one training slice makes n."""
+    return (tp // tp_g, 1) if tp % tp_g == 0 else (1, tp_g // tp)
+
+
+def valid_generation_tp(world: int, tp: int, pp: int) -> list[int]:
+    dp = world // (tp * pp)
+    return [g for g in range(1, world + 1) if world % g == 0 and (tp % g == 0 or (tp == 1 and dp % g == 0))]
+
+
+def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(micro-DP groups, generation TP groups) for the training layout (tp, pp, dp = world / (tp*pp)).
+    Generation TP group r is replica r (its dp rank), listed in TP-rank order (which is ascending)."""
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if tp_g not in valid_generation_tp(world, tp, pp):
+        raise ValueError(f"rollout tp={tp_g} does not fit training tp={tp}, pp={pp} on {world} ranks: it must "
+                         f"divide tp, or (with tp=1) divide dp={world // (tp * pp)}; valid: "
+                         f"{valid_generation_tp(world, tp, pp)}")
+    k, n = _split(tp, tp_g)
+    micro, gen = {}, {}
+    for rank in range(world):
+        d, rem = divmod(rank, tp * pp)
+        p, t = divmod(rem, tp)
+        micro.setdefault((d, t // k), []).append(rank)
+        gen.setdefault(((d // n) * pp + p) * k + t % k, {})[(t // k) * n + d % n] = rank
+    gen = [[gen[r][g] for g in range(tp_g)] for r in range(len(gen))]
+    assert all(g == sorted(g) for g in gen)
+    return sorted(micro.values()), gen
+
+
+def _group(ranks: list[int]):
+    return dist.new_group(ranks) if len(ranks) > 1 else None
+
+
+def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
+    """(generation Layout, micro-DP group, its ranks). Collective: every rank creates every group in the
+    same order. Training groups are reused where the ranks coincide."""
+    world, rank = train.world_size, train.rank
+    micro, gen = generation_groups(world, train.tp, train.pp, tp_g)
+    if tp_g == train.tp and train.pp == 1:
+        return train, None, [rank]
+    k, n = _split(train.tp, tp_g)
+    lay = Layout(tp=tp_g, pp=1, dp=world // tp_g, rank=rank)
+    mine, mgroup = train.pp_ranks, train.pp_group  # k == 1: the micro-DP group is the PP group
+    for ranks in micro if k > 1 else []:
+        g = _group(ranks)
+        if rank in ranks:
+            mine, mgroup = ranks, g
+    for r, ranks in enumerate(gen):
+        g = train.tp_group if k == n == 1 else _group(ranks)
+        if rank in ranks:
+            lay.dp_rank, lay.tp_rank, lay.tp_ranks, lay.tp_group = r, ranks.index(rank), ranks, g
+    for g in range(tp_g):
+        ranks = [gen[r][g] for r in range(len(gen))]
+        grp = _group(ranks)
+        if rank in ranks:
+            lay.dp_ranks, lay.dp_group = ranks, grp
+    return lay, mgroup, mine
+
+
+# ----------------------------------------------------------------------------- slicing fused shards
+
+
+def _sub(t: torch.Tensor, dim, parts: list[int] | None, num: int, idx: int) -> torch.Tensor:
+    """Chunk idx of num of every fused piece of t along dim (pieces of sizes `parts`), concatenated; a
+    view when there is one piece. Full tensor -> TP shard is _sub(full, dim, tp_parts, tp, tp_rank)."""
+    if dim is None or num == 1:
+        return t
+    pieces = [x.narrow(dim, idx * (x.shape[dim] // num), x.shape[dim] // num) for x in t.split(parts, dim)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _merge(blocks: list[torch.Tensor], dim: int, parts: list[int]) -> torch.Tensor:
+    """Inverse of _sub over consecutive idx: [q_a; k_a; v_a], [q_b; k_b; v_b] -> [q_a q_b; k_a k_b; v_a v_b]."""
+    split = [b.split(parts, dim) for b in blocks]
+    return torch.cat([s[x] for x in range(len(parts)) for s in split], dim)
+
+
+def _owned(t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """t in storage of its own (copied unless it already is a new tensor)."""
+    if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() and t.is_contiguous():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclasses.dataclass
+class _Entry:
+    train: str  # name in its stage's training model
+    gen: str  # name in the generation model
+    shape: tuple  # what its stage's ranks contribute: their training shard, narrowed when tp_g > tp
+    tp_dim: int | None
+    parts: list | None  # full sizes of the fused pieces along tp_dim
+    offset: int = 0  # element offset in the contributor's slot of the bucket
+
+    def local(self, tp: int) -> list[int] | None:
+        return self.parts and [f // tp for f in self.parts]
+
+
+def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_Entry]:
+    """What stage p contributes to the generation model (not a critic head, nor the last stage's copy
+    of a tied embedding), from a skeleton on the meta device."""
+    skel = Transformer(cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta")
+    start, out = stage_layers(cfg.num_layers, pp, p)[0], []
+    for name, prm in skel.named_parameters():
+        if name.startswith("value_head.") or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
+            continue
+        gen = name
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            gen = f"layers.{start + int(i)}.{rest}"
+        shape = list(prm.shape)
+        if prm.tp_dim is not None:
+            shape[prm.tp_dim] //= n
+        out.append(_Entry(name, gen, tuple(shape), prm.tp_dim, prm.tp_parts))
+    return out
+
+
+# ----------------------------------------------------------------------------- the resharder
+
+
+class Resharder:
+    """Train <-> generation resharding of one actor. `with r.generation() as gen_model:` hands out a
+    pp=1 Transformer in `r.gen_layout`; the training model must not be used inside the block (its
+    resharded tensors are released there). Collective: all ranks enter and leave together."""
+
+    def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizer=None, seed: int = 0,
+                 bucket_bytes: int = 1 << 30):
+        self.model, self.layout, self.optimizer = model, layout, offload_optimizer
+        cfg, world = model.cfg, layout.world_size
+        validate_layout(cfg, tp_g, 1, world, name=f"rollout tp={tp_g}")
+        self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
+        self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
+        self.gen_seed = seed * 100_003 + self.gen_layout.dp_rank + 1  # one stream per generation TP group
+        self._gen_rng, self._held, self._offloaded, self.last_timing = None, [], [], 0.0
+        dtypes = {p.dtype for p in model.parameters()}
+        if len(dtypes) != 1:
+            raise ValueError(f"Resharder needs one parameter dtype, got {sorted(map(str, dtypes))}")
+        self.dtype, self.device = dtypes.pop(), next(model.parameters()).device
+        self.stats = dict(gen_bytes=0, buckets=0, max_bucket_bytes=0, pad_bytes=0, recv_bytes=0, released_bytes=0,
+                          peak_extra_bytes=0, steady_extra_bytes=0)
+        self.identity = tp_g == layout.tp and layout.pp == 1
+        if self.identity:
+            self.gen_model = model
+            return
+        ok = torch.tensor([float(model.lm_head is not None or not layout.is_last_stage)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() != 1.0:
+            raise ValueError("Resharder: the model has no LM head (a critic?); only the actor is resharded")
+        self.gen_model = Transformer(cfg, self.gen_layout, self.dtype, device="meta").requires_grad_(False)
+        self.gen_model.inv_freq, self.gen_model.attn_backend = model.inv_freq, model.attn_backend
+        self._meta = dict(self.gen_model.named_parameters())
+        self._plan(bucket_bytes)
+
+    def _plan(self, bucket_bytes: int) -> None:
+        """Cut every stage's contribution into the same sequence of buckets. Stages hold the same layer
+        shapes, so bucket b takes local layers [b*per, (b+1)*per) of every stage, and one more bucket the
+        first stage's embedding with the last stage's norm and head (two when they are one stage).
+        chunks[b] = the largest stage's part of bucket b, in elements."""
+        lay, cfg, m = self.layout, self.model.cfg, len(self.micro_ranks)
+        stages = [_stage_entries(cfg, lay.tp, lay.pp, p, self.n) for p in range(lay.pp)]
+        covered = {e.gen for es in stages for e in es}
+        assert covered == set(self._meta), f"generation parameters not covered: {covered ^ set(self._meta)}"
+        size = lambda es: sum(torch.Size(e.shape).numel() for e in es)  # noqa: E731
+        item = torch.finfo(self.dtype).bits // 8
+        per = max(1, bucket_bytes // (item * m * size(e for e in stages[0] if e.train.startswith("layers.0."))))
+        first, last = stage_layers(cfg.num_layers, lay.pp, 0)  # the first stage has the most layers
+        nl = -(-(last - first) // per)
+        self.buckets = [[[] for _ in range(nl + 1 + (lay.pp == 1))] for _ in stages]  # [stage][bucket]
+        for p, entries in enumerate(stages):
+            for e in entries:
+                if e.train.startswith("layers."):
+                    b = int(e.train.split(".")[1]) // per
+                else:
+                    b = nl + (lay.pp == 1 and not e.train.startswith("embed_tokens."))
+                e.offset = size(self.buckets[p][b])
+                self.buckets[p][b].append(e)
+        self.chunks = [max(size(st[b]) for st in self.buckets) for b in range(len(self.buckets[0]))]
+        gathered = [m * c * item for c in self.chunks] if m > 1 else [0]
+        gen = sum(p.numel() for p in self._meta.values()) * item
+        self.stats.update(gen_bytes=gen, buckets=len(self.chunks), max_bucket_bytes=max(gathered),
+                          pad_bytes=max(0, sum(gathered) - gen), recv_bytes=(m - 1) * sum(self.chunks) * item)
+
+    # --- entering and leaving generation
+    @contextmanager
+    def generation(self):
+        t0 = time.perf_counter()
+        self._offload(True)
+        self._swap_rng(to_generation=True)
+        try:
+            if not self.identity:
+                self._gather()
+            self._sync()
+            self.stats["enter_s"] = time.perf_counter() - t0
+            yield self.gen_model
+        finally:  # also after a failure inside the block: the training state comes back regardless
+            t1 = time.perf_counter()
+            self._release()
+            self._swap_rng(to_generation=False)
+            self._offload(False)
+            self._sync()
+            self.stats["exit_s"] = time.perf_counter() - t1
+            self.last_timing = self.stats.get("enter_s", 0.0) + self.stats["exit_s"]
+
+    def _account(self, nbytes: int) -> None:
+        self._live += nbytes
+        self._peak = max(self._peak, self._live)
+
+    def _set(self, name: str, data: torch.Tensor | None) -> None:
+        """Point a generation parameter at real data (None: back to its meta placeholder)."""
+        mod, _, leaf = name.rpartition(".")
+        meta = p = self._meta[name]
+        if data is not None:
+            p = nn.Parameter(data, requires_grad=False)
+            for a in ("tp_dim", "tp_parts", "tp_partial_grad"):
+                if hasattr(meta, a):
+                    setattr(p, a, getattr(meta, a))
+        setattr(self.gen_model.get_submodule(mod), leaf, p)
+
+    @torch.no_grad()
+    def _gather(self) -> None:
+        lay, k, n, m, me = self.layout, self.k, self.n, len(self.micro_ranks), self.me
+        own = dict(self.model.named_parameters())
+        c_me = lay.tp_rank % k  # this rank's block in a merge; a narrowing rank keeps slice dp_rank % n
+        self._live = self._peak = self.stats["released_bytes"] = 0
+        for b, chunk in enumerate(self.chunks):
+            mine = self.buckets[lay.pp_rank][b]
+            held = ([], [])  # (entries set, released (param, entry)): what exit undoes; views keep buckets alive
+            self._held.append(held)
+            if m == 1:  # tp_g > tp = 1 and pp == 1: narrow, no communication
+                for e in mine:
+                    p = own[e.train]
+                    data = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
+                    self._account(0 if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                                  else _nbytes(data))
+                    self._set(e.gen, data)
+                    held[0].append(e)
+                continue
+            buf = torch.empty(m * chunk, dtype=self.dtype, device=self.device)
+            self._account(_nbytes(buf))
+            slots = buf.view(m, chunk)
+            for e in mine:
+                p = own[e.train]
+                part = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
+                slots[me, e.offset:e.offset + part.numel()].view(e.shape).copy_(part)
+                if n == 1:  # its slot holds this shard now: release the training copy until exit
+                    self._account(-_nbytes(p))
+                    self.stats["released_bytes"] += _nbytes(p)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    held[1].append((p, e))
+            _all_gather_flat(buf, slots[me], group=self.group)
+            for stage, runs in enumerate(self.buckets):
+                for e in runs[b]:
+                    numel = torch.Size(e.shape).numel()
+                    blocks = [slots[stage * k + c, e.offset:e.offset + numel].view(e.shape) for c in range(k)]
+                    if k == 1:
+                        data = blocks[0]
+                    else:  # replicated: this rank's own copy, bitwise what it released
+                        data = _owned(blocks[c_me], buf) if e.tp_dim is None else _merge(blocks, e.tp_dim, e.local(lay.tp))
+                        self._account(_nbytes(data))
+                    self._set(e.gen, data)
+                    held[0].append(e)
+            if k > 1:  # the merged copies are the generation weights: the bucket goes now
+                self._account(-_nbytes(buf))
+            del buf, slots, blocks
+        self.stats.update(peak_extra_bytes=self._peak, steady_extra_bytes=self._live)
+
+    @torch.no_grad()
+    def _release(self) -> None:
+        """Rebuild each released training tensor from its slice of the generation weights, bucket by
+        bucket, dropping each bucket as soon as its tensors are back."""
+        k, c_me, tp_g = self.k, self.layout.tp_rank % self.k, self.gen_layout.tp
+        while self._held:
+            entries, released = self._held.pop(0)
+            for p, e in released:
+                g = self.gen_model.get_parameter(e.gen).detach()
+                p.data = _owned(_sub(g, e.tp_dim, e.local(tp_g), k, c_me), g)
+            for e in entries:
+                self._set(e.gen, None)
+            del entries, released
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _swap_rng(self, to_generation: bool) -> None:
+        """One torch RNG stream per generation TP group (same seed on its ranks), carried over between
+        generations; the training stream is set aside and restored exactly (CPU and this CUDA device)."""
+        cuda = self.device.type == "cuda"
+        now = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        if to_generation:
+            self._train_rng, new = now, self._gen_rng
+        else:
+            self._gen_rng, new = now, self._train_rng
+        if new is None:  # the first generation: seed its stream
+            torch.random.default_generator.manual_seed(self.gen_seed)
+            if cuda:
+                torch.cuda.default_generators[self.device.index or 0].manual_seed(self.gen_seed)
+            return
+        torch.set_rng_state(new[0])
+        if cuda:
+            torch.cuda.set_rng_state(new[1], self.device)
+
+    def _offload(self, out: bool) -> None:
+        """Move the optimizer's device state to CPU during generation and back: its offload()/reload() if
+        it has them, else swap the storage of the tensors its state_dict() returns."""
+        opt = self.optimizer
+        if opt is not None and hasattr(opt, "offload") and hasattr(opt, "reload"):
+            opt.offload() if out else opt.reload()
+        elif opt is not None and not out:
+            for t, dev in self._offloaded:
+                t.data = t.data.to(dev)
+            self._offloaded = []
+        elif opt is not None:
+            self._offloaded = [(t, t.device) for t in opt.state_dict().values() if torch.is_tensor(t) and t.is_cuda]
+            for t, _ in self._offloaded:
+                t.data = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+            if any(torch.is_tensor(t) and t.is_cuda for t in opt.state_dict().values()):
+                raise ValueError(f"offload_optimizer: {type(opt).__name__}.state_dict() returns copies of its "
+                                 "tensors; give it offload() and reload() methods")
+
+
+# ----------------------------------------------------------------------------- prompts in, completions out
+
+
+def dispatch_prompts(prompts: list, gen_layout: Layout) -> tuple[list, int]:
+    """This generation replica's contiguous share of the prompt list (the same on every rank) and its
+    offset. A prompt's n samples are generated together, so they stay in one replica."""
+    r, R = gen_layout.dp_rank, gen_layout.dp
+    base, extra = divmod(len(prompts), R)
+    start = r * base + min(r, extra)
+    return prompts[start:start + base + (r < extra)], start
+
+
+def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
+    """Every replica's completions on every rank, in global prompt order (prompt_index made global)."""
+    parts = [(offset, done)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (offset, done) if gen_layout.tp_rank == 0 else None)
+    out = []
+    for off, items in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
+        out += [dataclasses.replace(c, prompt_index=c.prompt_index + off)
+                if dataclasses.is_dataclass(c) and hasattr(c, "prompt_index") else c for c in items]
+    return out
+
+
+# ----------------------------------------------------------------------------- checkpoints and export
+
+
+def save_model_shard(model: Transformer, layout: Layout, ckpt_dir: str) -> None:
+    """Write this (pp, tp) coordinate's weights as model_pp{p}_tp{t}.safetensors (DP rank 0 only)."""
+    if layout.dp_rank != 0:
+        return
+    from safetensors.torch import save_file
+    path = os.path.join(ckpt_dir, f"model_{shard_name(layout)}.safetensors")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state(model).items()}, path + ".tmp",
+              metadata={"format": "pt"})
+    os.replace(path + ".tmp", path)
+
+
+class _Checkpoint:
+    """Full HF-named tensors read out of a sharded checkpoint, one at a time."""
+
+    def __init__(self, ckpt_dir: str):
+        from safetensors import safe_open
+        f = os.path.join(ckpt_dir, "meta.json")
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{ckpt_dir!r} is not a checkpoint directory (no meta.json)")
+        with open(f) as fh:
+            self.meta = json.load(fh)
+        self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
+        self.cfg = ModelConfig.from_hf(self.meta["model_config"], source=f)
+        self.index = {}  # hf name -> (its stage's files, our name, tp_dim, its rows/columns in each shard)
+        for p in range(pp):
+            files = [os.path.join(ckpt_dir, f"model_{shard_name(Layout(tp_rank=t, pp_rank=p))}.safetensors")
+                     for t in range(tp)]
+            if missing := [fn for fn in files if not os.path.isfile(fn)]:
+                raise FileNotFoundError(f"checkpoint {ckpt_dir!r} (tp={tp}, pp={pp}) lacks {missing}")
+            files = [safe_open(fn, "pt") for fn in files]
+            keys = set(files[0].keys())
+            skel = Transformer(self.cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta",
+                               value_head="value_head.weight" in keys,
+                               lm_head="lm_head.weight" in keys or (self.cfg.tie_word_embeddings and pp == 1))
+            named = dict(skel.named_parameters())
+            if set(named) != keys:
+                raise ValueError(f"{ckpt_dir}: stage {p} holds {sorted(keys ^ set(named))} unlike a "
+                                 f"{self.cfg.architecture} stage of tp={tp}, pp={pp}")
+            for name, prm in named.items():
+                parts = [n // tp for n in prm.tp_parts or [0]]
+                for j, hf in enumerate(skel.hf_names(name)):  # a tied head's copy: the embedding came first
+                    self.index.setdefault(hf, (files, name, prm.tp_dim, slice(sum(parts[:j]), sum(parts[:j + 1]))))
+
+    def tensor(self, hf: str) -> torch.Tensor:
+        if hf not in self.index:
+            raise KeyError(f"checkpoint {self.dir!r} has no tensor for {hf!r}")
+        files, name, dim, rows = self.index[hf]
+        if dim is None:
+            return files[0].get_tensor(name)
+        return torch.cat([f.get_slice(name)[(slice(None),) * dim + (rows,)] for f in files], dim)
+
+
+def load_full_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """Every full tensor of a sharded checkpoint under its HF name (fused pieces split, TP shards joined)."""
+    ck = _Checkpoint(ckpt_dir)
+    return {hf: ck.tensor(hf) for hf in ck.index}
+
+
+@torch.no_grad()
+def load_into(model: Transformer, ckpt_dir: str) -> None:
+    """Fill this rank's shard of `model` (any layout) from a checkpoint written under any other layout,
+    one full tensor at a time."""
+    ck = _Checkpoint(ckpt_dir)
+    mine, theirs = dataclasses.asdict(model.cfg), dataclasses.asdict(ck.cfg)
+    if diff := [k for k in mine if k != "raw" and mine[k] != theirs[k]]:
+        raise ValueError(f"checkpoint {ckpt_dir!r} is a different model: " +
+                         ", ".join(f"{k}={theirs[k]!r} (model has {mine[k]!r})" for k in diff))
+    lay = model.layout
+    for name, p in model.named_parameters():
+        full = torch.cat([ck.tensor(hf) for hf in model.hf_names(name)], p.tp_dim or 0)
+        local = _sub(full, p.tp_dim, p.tp_parts, lay.tp, lay.tp_rank)
+        if local.shape != p.shape:
+            raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, model has {list(p.shape)}")
+        p.copy_(local)
+
+
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "added_tokens",
+                   "generation_config")
+
+
+def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
+    """A Hugging Face directory (config.json, safetensors shards + index, tokenizer files) from a checkpoint,
+    written into a temporary directory that is renamed into place; one shard in memory at a time."""
+    from safetensors.torch import save_file
+    ck = _Checkpoint(ckpt_dir)
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    shards, cur, total = [], {}, 0
+
+    def flush():
+        save_file(cur, os.path.join(tmp, f"part{len(shards)}"), metadata={"format": "pt"})
+        shards.append(list(cur))
+        cur.clear()
+    for hf in ck.index:
+        if hf.startswith("value_head."):
+            continue  # a critic's head is no part of a causal LM
+        t = ck.tensor(hf)
+        t = (t if dtype is None else t.to(dtype)).contiguous()
+        if cur and sum(map(_nbytes, cur.values())) + _nbytes(t) > max_shard_bytes:
+            flush()
+        cur[hf], total, written = t, total + _nbytes(t), t.dtype
+    flush()
+    weight_map = {}
+    for i, names in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(tmp, f"part{i}"), os.path.join(tmp, fn))
+        weight_map.update(dict.fromkeys(names, fn))
+    config = {**ck.meta["model_config"], "torch_dtype": str(written)[6:], "dtype": str(written)[6:]}
+    for fn, obj in (("model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}),
+                    ("config.json", config)):
+        with open(os.path.join(tmp, fn), "w") as f:
+            json.dump(obj, f, indent=1)
+    for fn in os.listdir(ckpt_dir):
+        if fn.startswith(TOKENIZER_FILES):
+            shutil.copy(os.path.join(ckpt_dir, fn), tmp)
+    os.replace(tmp, out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Export a nanorl checkpoint as a Hugging Face model directory.")
+    ap.add_argument("checkpoint", help="a checkpoints/step_N directory (meta.json + model_pp*_tp*.safetensors)")
+    ap.add_argument("--to-hf", required=True, metavar="OUT_DIR", help="new directory to write")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: as stored")
+    ap.add_argument("--max-shard-gb", type=float, default=4.0)
+    a = ap.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+    export_hf(a.checkpoint, a.to_hf, dtype, int(a.max_shard_gb * (1 << 30)))
+    print(f"wrote {a.to_hf}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,637 @@
+"""Generation for RL: a KV-cached, continuously batched sampler that returns token log-probs.
+
+The cache and its rows
+----------------------
+The KV cache is one static block [layers, rows, max_len, kv_heads, head_dim] (model.KVCache),
+sized once from a token budget: `rows = min(max_rows, budget // max_len)`. A row holds one
+sequence: its prompt's k/v, then one more position per generated token. Nothing is paged; a row
+is a slot that sequences take turns in.
+
+    prefill   packed prompts of the newly admitted sequences, one forward  ->  k/v into their rows
+    decode    one token for every row 0..B-1, one forward per step         ->  k/v at position len-1
+
+A prompt sampled n times is prefilled once, into the first of its rows; `KVCache.copy_rows`
+copies its k/v to the other n-1 rows, and each sample draws its first token from the shared
+last-position logits.
+
+Continuous batching
+-------------------
+The host checks the rows only every `sync_every` decode steps (one small device->host copy of
+the per-row `done` flags and token counts). Between checks everything lives on the device: the
+next input token, the row lengths, the generated tokens and log-probs, and the stop test (a stop
+token, or max_new_tokens reached), so there is no host sync per token. At a check, finished rows
+are read out and handed to the next waiting prompts (or the rest of a waiting sample group), so a
+long tail does not idle the batch; a row that finished inside the window just decodes a few
+tokens that are never read. When nothing is waiting and few rows are still live, the live rows
+are moved to the front (their k/v copied) so that the decode runs over fewer rows.
+
+A decode step attends over the first L positions of rows 0..B-1 only, where L covers every row's
+length until the next check. On CUDA each step (forward, sampling, bookkeeping) is captured in a
+CUDA graph per bucket (B in 1, 2, 4, ..., rows; L a multiple of 128) over static buffers, and
+replayed; a bucket's first step runs eagerly (which also warms up cuBLAS and NCCL) and is then
+captured. The sampling settings are baked into the graphs (a change of temperature, top-k or top-p
+captures new ones). On CPU steps are eager with the exact B and L.
+
+Sampling on the device, over a split vocabulary
+-----------------------------------------------
+Each rank holds a slice of the logits [B, V/tp]. The random numbers are counter-based: the
+uniform u for the token at position t of sample (i, j) is a hash of (seed, i, j, t). So a draw
+depends on neither the batch composition, nor the row, nor the cache size, nor tp, and every TP
+rank computes the same u without communication.
+
+* Greedy: each rank takes its local max; one all-gather of (max, argmax, log-sum-exp parts)
+  picks the winner (ties go to the lowest id, like torch.argmax).
+* Temperature sampling is inverse-CDF sampling: each rank takes p = softmax(logits / T) over its
+  slice and its normaliser; one all-gather of (normaliser, mass) per rank tells every rank which
+  slice holds the point u * total, and that rank finds the token in two levels (block sums of
+  ~sqrt(V/tp) tokens, then the running sum inside one block: no [B, V] running sum). One
+  all-reduce shares (token, log-prob). Exact: P(token) = softmax(logits / T); never a full-vocab
+  gather.
+* top-k / top-p: the global top k tokens are among the union of every rank's local top k, so each
+  rank sends its top-k candidates (values and ids) in one all-gather and every rank sorts the
+  tp*k candidates, applies the nucleus on the top-k-renormalised probabilities (as transformers
+  does), and samples by inverse CDF. With top-p alone the candidates are whole slices: for tp > 1
+  that gathers the vocabulary, so pair top_p with a top_k to bound it.
+
+The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary:
+the distribution the trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled
+from (that mismatch is what rollout-correction weights measure). Greedy returns log_softmax at T=1.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from model import AttnContext, KVCache, Transformer, load_model
+
+MAX_STOP_IDS = 64  # capacity of the static stop-token buffer the decode graphs read
+LEN_BUCKET = 128  # decode graphs attend over a multiple of this many cache positions
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = off
+    max_new_tokens: int = 256
+    stop_token_ids: tuple = ()
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def check(self) -> None:
+        bad = [(k, v, want) for k, v, want, ok in (
+            ("n", self.n, "an int >= 1", isinstance(self.n, int) and self.n >= 1),
+            ("temperature", self.temperature, ">= 0 (0 = greedy)", self.temperature >= 0),
+            ("top_p", self.top_p, "in (0, 1]", 0 < self.top_p <= 1),
+            ("top_k", self.top_k, "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
+            ("max_new_tokens", self.max_new_tokens, "an int >= 1",
+             isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1)) if not ok]
+        if bad:
+            k, v, want = bad[0]
+            raise ValueError(f"SamplingParams.{k}={v!r}: expected {want}")
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop/EOS token, included in token_ids) or "length"
+
+
+# ----------------------------------------------------------------------------- counter-based uniforms
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B1
+
+
+def _fmix32(x):
+    """MurmurHash3's 32-bit finalizer, a bijection with full avalanche. Works on Python ints and on
+    int64 tensors holding values in [0, 2^32) (the products wrap mod 2^64; the mask keeps 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The random stream of one sample; distinct for the samples of one prompt (the last step is a
+    bijection of sample_index)."""
+    h = _fmix32((seed & _M32) ^ _fmix32(((seed >> 32) + 0x7F4A7C15) & _M32))
+    h = _fmix32(h ^ _fmix32((prompt_index * _GOLDEN + 0x632BE5AB) & _M32))
+    return _fmix32((h + sample_index * _GOLDEN) & _M32)
+
+
+def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) (24 bits, the resolution of an fp32 running sum) for each (key, position)."""
+    h = _fmix32(keys ^ _fmix32((positions * _GOLDEN + 0x2545F491) & _M32))
+    return (h >> 8).float() * 2.0 ** -24
+
+
+# ----------------------------------------------------------------------------- vocab-parallel sampling
+
+
+def _tp_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, k] on each TP rank -> [tp, B, k], the same on every rank."""
+    if group is None:
+        return x.unsqueeze(0)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """x kept strictly below total, which fp32 rounding of u * total could otherwise reach."""
+    return torch.minimum(x, total * (1 - 2.0 ** -23))
+
+
+def _inverse_cdf(c: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Index i with c[i-1] <= target < c[i] in each row of a running sum c [B, N], never past the last
+    entry of nonzero mass, so rounding cannot select a token of probability zero."""
+    idx = torch.searchsorted(c, target[:, None].contiguous(), right=True)
+    return torch.minimum(idx, torch.searchsorted(c, c[:, -1:].contiguous(), right=False))[:, 0]
+
+
+def _block_sums(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Masses of consecutive blocks of ~sqrt(V) tokens (the last block may be short): [B, blocks]."""
+    B, V = p.shape
+    blk = max(16, 1 << (math.isqrt(V).bit_length() - 1))
+    full = V // blk
+    sums = p[:, :full * blk].view(B, full, blk).sum(-1)
+    return (sums if full * blk == V else torch.cat([sums, p[:, full * blk:].sum(-1, keepdim=True)], -1)), blk
+
+
+def _search(p: torch.Tensor, sums: torch.Tensor, blk: int, target: torch.Tensor) -> torch.Tensor:
+    """The token at which the running sum of p [B, V] passes target, in two levels (the block, then the
+    token inside it) so that no [B, V] running sum is ever built."""
+    B, V = p.shape
+    c = sums.cumsum(-1)
+    j = _inverse_cdf(c, target)[:, None]
+    rest = (target - (c.gather(1, j) - sums.gather(1, j))[:, 0]).clamp(min=0)
+    cols = j * blk + torch.arange(blk, device=p.device)
+    pb = p.gather(1, cols.clamp(max=V - 1)) * (cols < V)
+    return j[:, 0] * blk + _inverse_cdf(pb.cumsum(-1), rest)
+
+
+def greedy_tokens(logits: torch.Tensor, group, vocab_start: int = 0, limit: int | None = None):
+    """argmax over the split vocabulary and its log_softmax (T=1). logits [B, V/tp] fp32."""
+    lse = torch.logsumexp(logits, -1)
+    z = logits if limit is None else logits.masked_fill(_beyond(logits, limit), float("-inf"))
+    val, idx = z.max(-1)
+    if group is None:
+        return idx + vocab_start, val - lse
+    g = _tp_gather(torch.stack([val, (idx + vocab_start).float(), lse], -1), group)  # [tp, B, 3]
+    win = g[..., 0].argmax(0)  # the first maximum: lowest rank, so lowest id on ties
+    pick = g.gather(0, win[None, :, None].expand(1, -1, 3))[0]
+    return pick[:, 1].long(), pick[:, 0] - torch.logsumexp(g[..., 2], 0)
+
+
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, group, vocab_start: int = 0,
+                  limit: int | None = None):
+    """Exact draw from softmax(logits / T) over the split vocabulary by inverse CDF (see the module
+    docstring); returns (tokens [B], log_softmax(logits / T) of them)."""
+    z = logits if temperature == 1.0 else logits / temperature
+    p = torch.softmax(z, -1)  # normalised over this rank's slice
+    if limit is not None:  # ids past the tokenizer's vocabulary are never drawn but stay in the softmax
+        p = p.masked_fill(_beyond(p, limit), 0.0)
+    sums, blk = _block_sums(p)
+    mass = sums.sum(-1)
+    if group is None:
+        idx = _search(p, sums, blk, _below(u * mass, mass))
+        return idx + vocab_start, p.gather(1, idx[:, None])[:, 0].log()
+    rank = dist.get_rank(group)
+    lse = torch.logsumexp(z, -1)
+    g = _tp_gather(torch.stack([lse, mass], -1), group)  # [tp, B, 2]
+    lse_all = torch.logsumexp(g[..., 0], 0)
+    share = (g[..., 0] - lse_all).exp()  # each slice's normaliser as a fraction of the whole
+    incl = (g[..., 1] * share).cumsum(0)  # [tp, B]: mass up to and including each rank's slice
+    target = _below(u * incl[-1], incl[-1])
+    owner = (incl <= target).sum(0)  # the rank whose slice holds the target
+    excl = torch.cat([torch.zeros_like(incl[:1]), incl[:-1]])
+    idx = _search(p, sums, blk, ((target - excl[rank]) / share[rank]).clamp(min=0))
+    lp = p.gather(1, idx[:, None])[:, 0].log() + lse - lse_all
+    mine = owner == rank
+    # where, not multiply: another rank's (unused) result may come from inf/nan arithmetic
+    both = torch.stack([torch.where(mine, (idx + vocab_start + 1).double(), 0.0),
+                        torch.where(mine, lp.double(), 0.0)], -1)
+    dist.all_reduce(both, group=group)
+    return both[:, 0].long() - 1, both[:, 1].float()
+
+
+def sample_top_k_top_p(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
+                       top_p: float | None, group, vocab_start: int = 0, limit: int | None = None):
+    """Draw from softmax(logits / T) restricted to the top-k, then to the nucleus of mass top_p of the
+    top-k-renormalised distribution (top_p None = off); log-probs as in sample_tokens."""
+    B, V = logits.shape
+    z = logits if temperature == 1.0 else logits / temperature
+    lse = torch.logsumexp(z, -1)
+    if limit is not None:
+        z = z.masked_fill(_beyond(z, limit), float("-inf"))
+    k = min(top_k, V) if top_k > 0 else V
+    vals, ids = z.topk(k, dim=-1)  # sorted, largest first
+    g = _tp_gather(torch.cat([lse[:, None], vals, (ids + vocab_start).float()], -1), group)  # [tp, B, 1+2k]
+    lse = torch.logsumexp(g[..., 0], 0)
+    cv, ci = g[..., 1:1 + k].transpose(0, 1).reshape(B, -1), g[..., 1 + k:].transpose(0, 1).reshape(B, -1)
+    if group is not None:  # merge the ranks' candidates
+        cv, order = cv.sort(dim=-1, descending=True, stable=True)
+        ci = ci.gather(1, order)
+    if top_k > 0:
+        cv, ci = cv[:, :top_k], ci[:, :top_k]
+    p = (cv - lse[:, None]).exp()
+    if top_p is not None:  # keep a token while the mass strictly above it is < top_p; always the first
+        q = p / p.sum(-1, keepdim=True)
+        keep = (q.cumsum(-1) - q) < top_p
+        keep[:, 0] = True
+        p = p * keep
+    c = p.cumsum(-1)
+    idx = _inverse_cdf(c, _below(u * c[:, -1], c[:, -1]))[:, None]
+    return ci.gather(1, idx)[:, 0].long(), cv.gather(1, idx)[:, 0] - lse
+
+
+def _beyond(x: torch.Tensor, limit: int) -> torch.Tensor:
+    return torch.arange(x.shape[-1], device=x.device) >= limit
+
+
+# ----------------------------------------------------------------------------- the generator
+
+
+class Generator:
+    """Generation from a full (pp == 1) model, tensor-parallel over `model.layout.tp_group`: every rank
+    of that group calls generate() with the same prompts and gets the same completions.
+
+    The KV cache holds `rows x max_len` tokens. The budget is `kv_cache_tokens`, or on CUDA
+    `gpu_memory_fraction` of the free memory (the minimum over the TP group), or on CPU
+    max_rows * max_len. With max_len None the cache is sized at the first generate() call to its
+    longest prompt + max_new_tokens (and regrown if a later call needs more). `vocab_size` keeps the
+    ids past the tokenizer's vocabulary from being drawn (their logits stay in the softmax).
+    `free()` drops the cache and the graphs; the model is untouched.
+    """
+
+    def __init__(self, model: Transformer, max_rows: int = 256, max_len: int | None = None,
+                 kv_cache_tokens: int | None = None, gpu_memory_fraction: float = 0.5,
+                 use_cuda_graphs: bool = True, vocab_size: int | None = None, sync_every: int = 16,
+                 max_prefill_tokens: int = 16384):
+        cfg = model.cfg
+        if model.layout.pp != 1 or model.embed_tokens is None or model.lm_head is None:
+            raise ValueError("Generator needs a whole model (pp=1 with embedding and LM head); "
+                             f"got pp={model.layout.pp}")
+        for name, v, lo in (("max_rows", max_rows, 1), ("sync_every", sync_every, 1),
+                            ("max_prefill_tokens", max_prefill_tokens, 1),
+                            ("max_len", 1 if max_len is None else max_len, 1),
+                            ("kv_cache_tokens", 1 if kv_cache_tokens is None else kv_cache_tokens, 1)):
+            if not (isinstance(v, int) and v >= lo):
+                raise ValueError(f"Generator {name}={v!r}: expected an int >= {lo}")
+        if not 0 < gpu_memory_fraction <= 1:
+            raise ValueError(f"Generator gpu_memory_fraction={gpu_memory_fraction}: expected a value in (0, 1]")
+        if vocab_size is not None and not 1 <= vocab_size <= cfg.vocab_size:
+            raise ValueError(f"Generator vocab_size={vocab_size}: expected 1..{cfg.vocab_size} (config vocab_size)")
+        if cfg.vocab_size >= 2 ** 24:
+            raise ValueError(f"vocab_size={cfg.vocab_size}: token ids travel as fp32 between ranks, need < 2^24")
+        self.model, self.group = model, model.layout.tp_group
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.vocab_start = model.lm_head.start
+        v_local = model.lm_head.weight.shape[0]
+        self.limit = (None if vocab_size in (None, cfg.vocab_size)
+                      else max(0, min(v_local, vocab_size - self.vocab_start)))  # allowed ids in this slice
+        self.max_rows, self.fixed_len, self.kv_cache_tokens = max_rows, max_len, kv_cache_tokens
+        self.memory_fraction, self.sync_every = gpu_memory_fraction, sync_every
+        self.max_prefill_tokens = max_prefill_tokens
+        self.use_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.cache: KVCache | None = None
+        self.graphs: dict = {}
+        self.stats = dict(prefill_forwards=0, prefill_tokens=0, decode_steps=0, syncs=0, compactions=0,
+                          graphs_captured=0)
+        if max_len is not None:
+            self._allocate(max_len)
+
+    # --- memory
+    def _allocate(self, max_len: int) -> None:
+        cfg, m = self.model.cfg, self.model
+        if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+            raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
+                             "sliding-window attention is not implemented")
+        per_token = KVCache.bytes_per_token(cfg, len(m.layers), m.layout.tp, self.dtype)
+        budget = self.kv_cache_tokens
+        if budget is None and self.device.type == "cuda":
+            free = torch.tensor(torch.cuda.mem_get_info(self.device)[0], device=self.device)
+            if self.group is not None:  # every rank of the group must choose the same row count
+                dist.all_reduce(free, dist.ReduceOp.MIN, group=self.group)
+            budget = int(free.item() * self.memory_fraction) // per_token
+        elif budget is None:
+            budget = self.max_rows * max_len
+        rows = min(self.max_rows, budget // max_len)
+        if rows < 1:
+            raise ValueError(f"KV cache budget of {budget} tokens ({budget * per_token / 2**30:.2f} GiB at "
+                             f"{per_token} bytes/token) cannot hold one row of max_len={max_len}; raise "
+                             "kv_cache_tokens / gpu_memory_fraction or shorten prompts / max_new_tokens")
+        hkv = cfg.num_kv_heads // m.layout.tp
+        self.cache = KVCache(len(m.layers), rows, hkv, max_len, cfg.head_dim, self.dtype, self.device)
+        kw = dict(device=self.device)
+        # the static state the decode graphs read and write
+        self.tok = torch.zeros(rows, dtype=torch.long, **kw)
+        self.lengths = torch.ones(rows, dtype=torch.int32, **kw)  # tokens in the row once `tok` is written
+        self.keys = torch.zeros(rows, dtype=torch.long, **kw)
+        self.ngen = torch.zeros(rows, dtype=torch.long, **kw)
+        self.done = torch.ones(rows, dtype=torch.bool, **kw)
+        self.out_tok = torch.zeros(rows, max_len + 1, dtype=torch.long, **kw)  # +1: a done row's scratch column
+        self.out_lp = torch.zeros(rows, max_len + 1, dtype=torch.float32, **kw)
+        self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, **kw)
+        self.max_new = torch.ones(rows, dtype=torch.long, **kw)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        buckets = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
+        self.buckets = buckets if self.use_graphs else None
+
+    def free(self) -> None:
+        """Release the KV cache, the static buffers and the CUDA graphs (and their memory pool)."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        for name in ("cache", "tok", "lengths", "keys", "ngen", "done", "max_new", "out_tok", "out_lp", "stop_ids",
+                     "pool"):
+            setattr(self, name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            # graph capture re-creates cuBLAS workspaces (one per stream); drop them too, they come back on demand
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+
+    # --- one decode step over rows 0..B-1 (captured in a CUDA graph on GPU)
+    def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
+        temperature, top_k, top_p = self.mode  # baked into the decode graphs
+        if temperature == 0:
+            return greedy_tokens(logits, self.group, self.vocab_start, self.limit)
+        u = uniforms(keys, positions)
+        if top_k > 0 or top_p is not None:
+            return sample_top_k_top_p(logits, u, temperature, top_k, top_p, self.group, self.vocab_start, self.limit)
+        return sample_tokens(logits, u, temperature, self.group, self.vocab_start, self.limit)
+
+    def _decode_step(self, B: int, L: int) -> None:
+        tok, lengths, ngen, done = self.tok[:B], self.lengths[:B], self.ngen[:B], self.done[:B]
+        hidden = self.model(tok, lengths.long() - 1, AttnContext(cache=self.cache, lengths=lengths, max_seqlen=L))
+        nxt, lp = self._sample(self.model.logits(hidden), self.keys[:B], lengths.long())
+        # a done row writes into its column ngen (past its tokens) and stops counting
+        self.out_tok[:B].scatter_(1, ngen[:, None], nxt[:, None])
+        self.out_lp[:B].scatter_(1, ngen[:, None], lp[:, None])
+        live = ~done
+        ngen.add_(live.long())
+        stop = (nxt[:, None] == self.stop_ids).any(-1)
+        done.logical_or_(live & (stop | (ngen >= self.max_new[:B])))
+        tok.copy_(nxt)
+        lengths.add_(1).clamp_(max=self.cache.max_len)  # done rows keep stepping in place
+
+    def _step(self, B: int, L: int) -> None:
+        if not self.use_graphs:
+            return self._decode_step(B, L)
+        key = (B, L, self.mode)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph.replay()
+        # this bucket's first step: run it for real, on a side stream as capture wants, then capture it
+        side = _side_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._decode_step(B, L)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._decode_step(B, L)
+        self.graphs[key] = graph
+        self.stats["graphs_captured"] += 1
+
+    # --- prefill of newly admitted sequences
+    def _prefill(self, chunk: list, prompts: list[list[int]], seed: int, max_new: list[int]) -> None:
+        """chunk: [(prompt_index, sample_indices, rows)]. One packed forward; first tokens sampled."""
+        dev, lens = self.device, [len(prompts[p]) for p, _, _ in chunk]
+        ids = torch.tensor([t for p, _, _ in chunk for t in prompts[p]], dtype=torch.long).to(dev)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        cu = torch.tensor([0] + lens).cumsum(0).to(dtype=torch.int32, device=dev)
+        slots = torch.repeat_interleave(torch.tensor([rows[0] for _, _, rows in chunk]), torch.tensor(lens)).to(dev)
+        hidden = self.model(ids, pos, AttnContext(cu_seqlens=cu, max_seqlen=max(lens), cache=self.cache, slots=slots))
+        logits = self.model.logits(hidden[cu[1:].long() - 1])  # [prompts, V/tp]
+        src = [rows[0] for _, _, rows in chunk for _ in rows[1:]]
+        if src:
+            dst = [r for _, _, rows in chunk for r in rows[1:]]
+            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev), max(lens))
+        which = [i for i, (_, s, _) in enumerate(chunk) for _ in s]
+        rows = torch.tensor([r for _, _, rs in chunk for r in rs], device=dev)
+        plen = torch.tensor([lens[i] for i in which], device=dev)
+        keys = torch.tensor([sample_key(seed, p, j) for p, s, _ in chunk for j in s], device=dev)
+        nxt, lp = self._sample(logits[torch.tensor(which, device=dev)], keys, plen)
+        limit = torch.tensor([max_new[p] for p, s, _ in chunk for _ in s], device=dev)
+        self.tok[rows], self.lengths[rows], self.keys[rows], self.max_new[rows] = nxt, (plen + 1).int(), keys, limit
+        self.out_tok[rows, 0], self.out_lp[rows, 0], self.ngen[rows] = nxt, lp, 1
+        self.done[rows] = (nxt[:, None] == self.stop_ids).any(-1) | (limit <= 1)
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_tokens"] += sum(lens)
+
+    # --- the driver
+    def generate(self, prompts: list[list[int]], params: SamplingParams, eos_token_ids=(),
+                 progress: bool = False, max_new_tokens: list[int] | None = None) -> list[Completion]:
+        """Sample params.n completions of every prompt; returned prompt-major (prompt 0 samples 0..n-1,
+        prompt 1, ...). Token ids include the stop token that ended a completion. `max_new_tokens`
+        optionally overrides params.max_new_tokens per prompt."""
+        params.check()
+        if not prompts:
+            return []
+        max_new = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        if len(max_new) != len(prompts) or not all(isinstance(m, int) and m >= 1 for m in max_new):
+            raise ValueError(f"max_new_tokens: expected {len(prompts)} ints >= 1 (one per prompt), "
+                             f"got {max_new_tokens!r}")
+        self._check_prompts(prompts, max_new)
+        stops = sorted({int(t) for t in params.stop_token_ids} |
+                       (set() if params.ignore_eos else {int(t) for t in _as_tuple(eos_token_ids)}))
+        if len(stops) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stops)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
+        need = max(len(p) + m for p, m in zip(prompts, max_new))
+        if self.cache is None or (self.fixed_len is None and need > self.cache.max_len):
+            if self.cache is not None:
+                self.free()
+            self._allocate(self.fixed_len or -(-need // 64) * 64)
+        greedy = params.temperature == 0
+        self.mode = (float(params.temperature), 0 if greedy else max(params.top_k, 0),
+                     None if greedy or params.top_p == 1 else float(params.top_p))
+        self.stop_ids.fill_(-1)
+        self.stop_ids[:len(stops)] = torch.tensor(stops, dtype=torch.long)
+        self.done.fill_(True)
+        self.lengths.fill_(1)
+        with torch.no_grad():
+            return self._run(prompts, params, max_new, set(stops), progress)
+
+    def _check_prompts(self, prompts, max_new: list[int]) -> None:
+        V = self.model.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} has token id {min(p) if min(p) < 0 else max(p)} outside the "
+                                 f"model's vocabulary 0..{V - 1}")
+            if self.fixed_len is not None and len(p) + max_new[i] > self.fixed_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it needs "
+                                 f"{len(p) + max_new[i]} cache positions but the Generator's max_len={self.fixed_len}")
+
+    def _run(self, prompts, params: SamplingParams, max_new: list[int], stops: set, progress: bool) -> list[Completion]:
+        n, R = params.n, self.cache.rows
+        waiting = deque([p, 0, n] for p in range(len(prompts)))  # [prompt, next sample, samples left]
+        owner: list = [None] * R  # row -> (prompt, sample, prompt length, tokens generated as of the last sync)
+        results: dict = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts) * n, unit="seq", desc="generate", dynamic_ncols=True)
+        while True:
+            # admit waiting samples into free rows, lowest rows first; prefill in token-budget chunks
+            free = [r for r in range(R) if owner[r] is None]
+            admitted = []
+            while waiting and free:
+                p, s0, left = waiting[0]
+                k = min(left, len(free))
+                admitted.append((p, list(range(s0, s0 + k)), free[:k]))
+                free = free[k:]
+                if k == left:
+                    waiting.popleft()
+                else:
+                    waiting[0] = [p, s0 + k, left - k]
+            chunk, tokens = [], 0
+            for item in admitted:
+                if chunk and tokens + len(prompts[item[0]]) > self.max_prefill_tokens:
+                    self._prefill(chunk, prompts, params.seed, max_new)
+                    chunk, tokens = [], 0
+                chunk.append(item)
+                tokens += len(prompts[item[0]])
+                for s, r in zip(item[1], item[2]):
+                    owner[r] = (item[0], s, len(prompts[item[0]]), 1)
+            if chunk:
+                self._prefill(chunk, prompts, params.seed, max_new)
+            live = [r for r in range(R) if owner[r] is not None]
+            if not live:
+                break
+            if not waiting:
+                live = self._compact(live, owner)
+            B = self._bucket(live[-1] + 1)
+            steps = min(self.sync_every, max(max_new[owner[r][0]] - owner[r][3] for r in live))
+            # every row stays below L through the window: live rows grow from prompt + generated
+            L = min(self.cache.max_len, max(owner[r][2] + owner[r][3] for r in live) + steps)
+            if self.use_graphs:
+                L = min(self.cache.max_len, -(-L // LEN_BUCKET) * LEN_BUCKET)
+            for _ in range(steps):
+                self._step(B, L)
+            self.stats["decode_steps"] += steps
+            self.stats["syncs"] += 1
+            # the one host sync of the window: which rows are done, how many tokens each has
+            done, ngen = torch.stack([self.done[:B].long(), self.ngen[:B]]).cpu().tolist()
+            finished = [r for r in live if done[r]]
+            for r in live:
+                owner[r] = owner[r][:3] + (ngen[r],)
+            if finished:
+                idx = torch.tensor(finished, device=self.device)
+                width = max(ngen[r] for r in finished)
+                toks = self.out_tok[idx, :width].cpu().tolist()
+                lps = self.out_lp[idx, :width].cpu().tolist()
+                for r, t, lp in zip(finished, toks, lps):
+                    p, s, _, k = owner[r]
+                    reason = "stop" if t[k - 1] in stops else "length"
+                    results[(p, s)] = Completion(p, s, t[:k], lp[:k], reason)
+                    owner[r] = None
+                self.lengths[idx] = 1  # idle rows: keep their attention short
+                if bar is not None:
+                    bar.update(len(finished))
+        if bar is not None:
+            bar.close()
+        return [results[(p, s)] for p in range(len(prompts)) for s in range(n)]
+
+    def _bucket(self, rows: int) -> int:
+        return rows if self.buckets is None else next(b for b in self.buckets if b >= rows)
+
+    def _compact(self, live: list[int], owner: list) -> list[int]:
+        """The tail: move live rows to the front when that lets a smaller decode (graph) run."""
+        if self._bucket(len(live)) >= self._bucket(live[-1] + 1):
+            return live
+        src = [r for r in live if r >= len(live)]
+        dst = [r for r in range(len(live)) if owner[r] is None]
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        self.cache.copy_rows(s, d, max(owner[r][2] + owner[r][3] for r in src))
+        for buf in (self.tok, self.lengths, self.keys, self.ngen, self.done, self.max_new, self.out_tok, self.out_lp):
+            buf[d] = buf[s]
+        self.done[s] = True
+        self.lengths[s] = 1
+        for a, b in zip(src, dst):
+            owner[b], owner[a] = owner[a], None
+        self.stats["compactions"] += 1
+        return sorted(r for r in range(len(owner)) if owner[r] is not None)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One warm-up stream per device for the whole process: cuBLAS keeps a workspace per stream, so a
+    fresh stream per Generator would leave a workspace behind after every free()."""
+    return _SIDE_STREAMS.get(device) or _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+
+
+def _as_tuple(x) -> tuple:
+    return () if x is None else (tuple(x) if isinstance(x, (list, tuple, set)) else (x,))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Sample completions from a Hugging Face model directory.")
+    ap.add_argument("model_dir")
+    ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    texts = args.prompt
+    if args.chat:
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+    prompts = [tok.encode(t, add_special_tokens=not args.chat) for t in texts]
+    eos = set(_as_tuple(tok.eos_token_id))
+    gen_cfg = os.path.join(args.model_dir, "generation_config.json")
+    if os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            eos |= set(_as_tuple(json.load(f).get("eos_token_id")))
+    model = load_model(args.model_dir, dtype=dtype, device=device).eval()
+    gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    t0 = time.perf_counter()
+    comps = gen.generate(prompts, params, eos_token_ids=eos, progress=args.max_new_tokens * args.n > 512)
+    dt = time.perf_counter() - t0
+    for c in comps:
+        print(f"=== prompt {c.prompt_index} sample {c.sample_index} ({len(c.token_ids)} tokens, {c.finish_reason}, "
+              f"mean logprob {sum(c.logprobs) / len(c.logprobs):.3f})")
+        print(texts[c.prompt_index] + tok.decode(c.token_ids, skip_special_tokens=False))
+    total = sum(len(c.token_ids) for c in comps)
+    print(f"--- {total} tokens in {dt:.2f} s ({total / dt:.1f} tok/s) on {device}")
+
+
+if __name__ == "__main__":
+    main()

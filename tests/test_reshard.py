@@ -1,0 +1,371 @@
+"""reshard.py: the grouping rule, train <-> generation resharding against one process, checkpoints, export."""
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import helpers
+import reshard
+from model import load_model
+from parallel import Layout, ShardedAdamW, all_gather_last_dim, make_layout
+from reshard import Resharder, collect_results, dispatch_prompts, generation_groups
+
+# ----------------------------------------------------------------------------- the grouping (no processes)
+
+
+def test_groups_design_example():
+    micro, gen = generation_groups(8, 4, 1, 2)
+    assert micro == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert gen == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_groups_worked_by_hand():
+    # tp=2 pp=2 dp=2 -> tp_g=1: a replica's four ranks gather everything; every rank is a replica
+    assert generation_groups(8, 2, 2, 1) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[r] for r in range(8)])
+    # -> tp_g=2: the stages of one TP slice gather each other's layers; generation TP = training TP
+    assert generation_groups(8, 2, 2, 2) == ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]])
+    # tp=1 dp=4 -> tp_g=2: replica d keeps slice d % 2 of everything, no communication
+    assert generation_groups(4, 1, 1, 2) == ([[0], [1], [2], [3]], [[0, 1], [2, 3]])
+    # pp=2 dp=2 -> tp_g=2: each rank narrows its stage and gathers the other stage's half from its PP peer
+    assert generation_groups(4, 1, 2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+
+
+def _holds(tp, parts, pp, p, t, F):
+    """Fine slices (stage, i) of F per stage held by TP rank t of `parts` slices in stage p (all stages if p None)."""
+    stages = range(pp) if p is None else [p]
+    return {(s, i) for s in stages for i in range(t * F // parts, (t + 1) * F // parts)}
+
+
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_groups_satisfy_the_rule(world):
+    for tp in [d for d in range(1, world + 1) if world % d == 0]:
+        for pp in [d for d in range(1, world // tp + 1) if world // tp % d == 0]:
+            for tp_g in reshard.valid_generation_tp(world, tp, pp):
+                micro, gen = generation_groups(world, tp, pp, tp_g)
+                assert sorted(r for g in micro for r in g) == list(range(world))
+                assert sorted(r for g in gen for r in g) == list(range(world))
+                assert all(len(g) == tp_g and g == sorted(g) for g in gen) and len(gen) == world // tp_g
+                F = max(tp, tp_g)
+                gen_of = {r: _holds(tp_g, tp_g, pp, None, g.index(r), F) for g in gen for r in g}
+                train_of = {r: _holds(tp, tp, pp, r // tp % pp, r % tp, F) for r in range(world)}
+                for g in micro:
+                    assert len({r // (tp * pp) for r in g}) == 1  # inside one training replica
+                    assert all(gen_of[r] == gen_of[g[0]] for r in g)  # jointly hold one generation shard
+                    union = set().union(*(train_of[r] for r in g))
+                    if tp_g <= tp:
+                        assert len(g) == tp * pp // tp_g and union == gen_of[g[0]]
+                        assert all(train_of[r] <= gen_of[r] for r in g)  # the training shard is part of it
+                    else:
+                        assert union >= gen_of[g[0]]
+
+
+def test_groups_errors():
+    with pytest.raises(ValueError, match=r"rollout tp=3 .* valid: \[1, 2\]"):
+        generation_groups(4, 2, 1, 3)
+    with pytest.raises(ValueError, match=r"divide dp=2; valid: \[1, 2\]"):
+        generation_groups(4, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"valid: \[1, 2\]"):  # tp_g > tp > 1 would need ranks out of order
+        generation_groups(4, 2, 1, 4)
+
+
+def test_dispatch_shares_are_contiguous_and_balanced():
+    prompts = list(range(10))
+    for R in (1, 3, 4, 12):
+        shares = [dispatch_prompts(prompts, Layout(dp=R, dp_rank=r)) for r in range(R)]
+        assert [x for s, _ in shares for x in s] == prompts
+        assert [off for _, off in shares] == [sum(len(s) for s, _ in shares[:r]) for r in range(R)]
+        assert max(len(s) for s, _ in shares) - min(len(s) for s, _ in shares) <= 1
+
+
+# ----------------------------------------------------------------------------- helpers of the distributed bodies
+
+
+def packed(seqs):
+    lens = [len(s) for s in seqs]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    return torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), cu, max(lens)
+
+
+def greedy_reference(model, prompts, new):
+    """Greedy decoding by re-running the whole sequence each step (one process, no cache)."""
+    out = []
+    for p in prompts:
+        seq = list(p)
+        with torch.no_grad():
+            for _ in range(new):
+                seq.append(int(model.logits(model.packed(*packed([torch.tensor(seq)])))[-1].argmax()))
+        out.append(seq[len(p):])
+    return out
+
+
+def generate(gm, prompts, new):
+    try:
+        from rollout import Generator, SamplingParams
+    except ImportError:  # fallback: a greedy loop over the vocab-parallel logits
+        return [[_greedy_tp(gm, p, new)] for p in prompts], "loop"
+    gen = Generator(gm, max_rows=4, max_len=32)
+    try:
+        return gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=new)), "rollout"
+    finally:
+        gen.free()
+
+
+def _greedy_tp(gm, p, new):
+    seq = list(p)
+    with torch.no_grad():
+        for _ in range(new):
+            seq.append(int(all_gather_last_dim(gm.logits(gm.packed(*packed([torch.tensor(seq)]))),
+                                               gm.layout.tp_group)[-1].argmax()))
+    return seq[len(p):]
+
+
+def slice_full(full, names, dim, tp, r):
+    """This TP rank's shard, sliced by hand: slice r of tp of every fused piece, concatenated."""
+    if dim is None:
+        return full[names[0]]
+    return torch.cat([full[n].narrow(dim, r * full[n].shape[dim] // tp, full[n].shape[dim] // tp)
+                      for n in names], dim)
+
+
+def held_bytes(*models):
+    """Bytes of the distinct storages the models' parameters live in."""
+    st = {}
+    for m in models:
+        for p in m.parameters():
+            s = p.untyped_storage()
+            st[s.data_ptr()] = s.nbytes()
+    return sum(st.values())
+
+
+class CountingOptimizer:
+    def __init__(self):
+        self.calls = []
+
+    def offload(self):
+        self.calls.append("offload")
+
+    def reload(self):
+        self.calls.append("reload")
+
+
+# ----------------------------------------------------------------------------- the distributed body
+
+
+def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
+    lay = make_layout(tp, pp)
+    model = load_model(ckpt, lay)
+    full = load_file(os.path.join(ckpt, "model.safetensors"))
+    out = {}
+    for tp_g in tp_gs:
+        opt = CountingOptimizer() if tp_g == tp_gs[0] else ShardedAdamW(model, lay)
+        opt_before = None if isinstance(opt, CountingOptimizer) else {
+            k: v.clone() for k, v in opt.state_dict().items() if torch.is_tensor(v)}
+        r = Resharder(model, lay, tp_g, offload_optimizer=opt, seed=7, bucket_bytes=48 << 10)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+        torch.manual_seed(100 + rank)
+        train_rng = torch.get_rng_state()
+        held0 = held_bytes(model)
+        res = {}
+        for round_ in range(2):
+            with r.generation() as gm:
+                gl = r.gen_layout
+                held = held_bytes(model, gm)
+                assert (gm is model) == (tp_g == tp and pp == 1)
+                for name, p in gm.named_parameters():  # the generation shard, exactly
+                    assert torch.equal(p, slice_full(full, gm.hf_names(name), p.tp_dim, tp_g, gl.tp_rank)), name
+                draw = torch.rand(4)
+                if round_ == 0:
+                    with torch.no_grad():
+                        logits = all_gather_last_dim(gm.logits(gm.packed(*packed(seqs))), gl.tp_group)
+                    mine, off = dispatch_prompts(prompts, gl)
+                    done, how = generate(gm, mine, new)
+                    comps = collect_results(done, off, gl)
+                    res.update(logits=logits if rank == 0 else None, how=how, held=held,
+                               tokens=[c.token_ids if hasattr(c, "token_ids") else c for c in comps],
+                               order=[(c.prompt_index, c.sample_index) for c in comps if hasattr(c, "prompt_index")])
+            res[f"draw{round_}"] = draw
+            # back in training: the shards bit for bit, at their (possibly new) storage; the training RNG
+            for n, p in model.named_parameters():
+                assert torch.equal(p, before[n]) and p.is_contiguous(), n
+            assert torch.equal(torch.get_rng_state(), train_rng)
+        if isinstance(opt, CountingOptimizer):
+            assert opt.calls == ["offload", "reload"] * 2
+        else:
+            assert all(torch.equal(v, opt.state_dict()[k]) for k, v in opt_before.items())
+        res.update(stats=dict(r.stats), held0=held0, gen_ranks=r.gen_layout.tp_ranks,
+                   unmoved=sum(p.data_ptr() == ptrs[n] for n, p in model.named_parameters()),
+                   train_bytes=sum(p.numel() * 4 for n, p in model.named_parameters()
+                                   if not (n.startswith("lm_head") and pp > 1 and model.cfg.tie_word_embeddings)))
+        out[tp_g] = res
+    if (tp, pp) == (2, 1):
+        _checkpoint_into_other_layout(rank, model, lay, ckpt, full, work, out)
+    if (tp, pp) == (2, 2):
+        _export_from_tp2_pp2(rank, model, lay, ckpt, seqs, work, out)
+    return out
+
+
+def _write_meta(lay, model, ck, ckpt):
+    if lay.rank == 0:
+        json.dump({"step": 3, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": model.cfg.raw},
+                  open(os.path.join(ck, "meta.json"), "w"))
+        for f in os.listdir(ckpt):
+            if f.startswith(("tokenizer", "chat_template")):
+                shutil.copy(os.path.join(ckpt, f), ck)
+    dist.barrier()
+
+
+def _checkpoint_into_other_layout(rank, model, lay, ckpt, full, work, out):
+    ck = os.path.join(work, "ck_tp2")
+    os.makedirs(ck, exist_ok=True)
+    reshard.save_model_shard(model, lay, ck)
+    _write_meta(lay, model, ck, ckpt)
+    lay2 = make_layout(1, 2)  # pp=2, dp=2 over the same ranks
+    m2 = load_model(ckpt, lay2, random_init=True, seed=9)
+    assert not torch.equal(m2.layers[0].mlp.down_proj.weight, slice_full(
+        full, m2.hf_names("layers.0.mlp.down_proj.weight"), 1, 1, 0))
+    reshard.load_into(m2, ck)
+    for name, p in m2.named_parameters():
+        assert torch.equal(p, slice_full(full, m2.hf_names(name), p.tp_dim, lay2.tp, lay2.tp_rank)), name
+    out["ck_tp2"] = ck
+
+
+def _export_from_tp2_pp2(rank, model, lay, ckpt, seqs, work, out):
+    """New weights (so that the export is not the input checkpoint), the training layout's own logits,
+    then a checkpoint of this layout."""
+    model.init_random(5, std=0.08)
+    x = packed(seqs)
+    with torch.no_grad():
+        if lay.is_first_stage:
+            dist.send(model.packed(*x).contiguous(), rank + lay.tp)
+        else:
+            h = torch.empty(len(x[0]), model.cfg.hidden_size)
+            dist.recv(h, rank - lay.tp)
+            out["train_logits"] = all_gather_last_dim(model.logits(model.packed(h, *x[1:])), lay.tp_group)
+    ck = os.path.join(work, "ck_tp2_pp2")
+    os.makedirs(ck, exist_ok=True)
+    reshard.save_model_shard(model, lay, ck)
+    _write_meta(lay, model, ck, ckpt)
+    out["ck_tp2_pp2"] = ck
+
+
+# ----------------------------------------------------------------------------- the distributed test
+
+HEADS8 = dict(num_attention_heads=8, num_key_value_heads=4)
+CASES = {  # training (tp, pp) on 4 ranks: family, config overrides, generation tp sizes
+    "tp2_dp2": (2, 1, "qwen2", HEADS8, (1, 2)),
+    "dp4": (1, 1, "mistral", HEADS8, (2, 4)),
+    "pp2_dp2": (1, 2, "qwen3", {}, (1, 2)),
+    "tp2_pp2": (2, 2, "qwen2_tied", {}, (1, 2)),
+    "tp4": (4, 1, "llama", HEADS8, (1, 2, 4)),
+}
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reshard_layouts(case, tmp_path):
+    tp, pp, family, over, tp_gs = CASES[case]
+    ckpt = helpers.make_checkpoint(str(tmp_path / "hf"), family, **over)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g) for n in (7, 12, 5)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    ref = load_model(ckpt)
+    with torch.no_grad():
+        want = ref.logits(ref.packed(*packed(seqs)))
+    want_tokens = greedy_reference(ref, prompts, 6)
+    res = helpers.run_distributed(_body, 4, ckpt, tp, pp, tp_gs, seqs, prompts, 6, str(tmp_path))
+    full = load_file(os.path.join(ckpt, "model.safetensors"))
+    for tp_g in tp_gs:
+        per = [r[tp_g] for r in res]
+        assert rel_err(per[0]["logits"], want) <= 1e-5, tp_g
+        for r in per:  # every rank has every replica's completions, in prompt order
+            assert r["tokens"] == want_tokens, (tp_g, r["how"])
+            assert r["how"] != "rollout" or r["order"] == [(i, 0) for i in range(len(prompts))]
+        groups = {tuple(r["gen_ranks"]) for r in per}
+        assert len(groups) == 4 // tp_g
+        for grp in groups:  # one generation RNG stream per generation TP group, carried over between rounds
+            assert all(torch.equal(per[q]["draw0"], per[grp[0]]["draw0"]) for q in grp)
+            assert all(torch.equal(per[q]["draw1"], per[grp[0]]["draw1"]) for q in grp)
+            assert not torch.equal(per[grp[0]]["draw0"], per[grp[0]]["draw1"])
+        if len(groups) > 1:
+            assert len({tuple(per[grp[0]]["draw0"].tolist()) for grp in groups}) == len(groups)
+        # memory: the generation shard computed from the checkpoint, the released training shard measured
+        gen_bytes = sum(t.numel() * 4 // (1 if "norm" in n else tp_g) for n, t in full.items()
+                        if not (n == "lm_head.weight" and "tied" in family))
+        for r in per:
+            s, extra = r["stats"], r["held"] - r["held0"]
+            if tp_g == tp and pp == 1:
+                assert extra == 0 and s["peak_extra_bytes"] == 0 and r["unmoved"] > 0
+                continue
+            assert s["gen_bytes"] == gen_bytes
+            assert extra == s["steady_extra_bytes"]  # the accounting agrees with the storages held
+            assert s["pad_bytes"] <= 0.25 * gen_bytes, s
+            if tp_g <= tp:  # the rank holds its generation shard (+ padding) and nothing more
+                assert s["released_bytes"] == r["train_bytes"]
+                assert r["held"] <= gen_bytes + s["pad_bytes"] + r["held0"] - r["train_bytes"]
+                assert s["peak_extra_bytes"] <= gen_bytes - r["train_bytes"] + s["pad_bytes"] + s["max_bucket_bytes"]
+                assert s["buckets"] > 1
+            else:
+                assert s["peak_extra_bytes"] <= gen_bytes + s["pad_bytes"]
+    if case == "tp2_dp2":
+        assert load_full_state_equal(res[0]["ck_tp2"], full)
+    if case == "tp2_pp2":
+        _check_export(res, str(tmp_path))
+
+
+def load_full_state_equal(ck, full):
+    got = reshard.load_full_state(ck)
+    return set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def _check_export(res, work):
+    ck = res[0]["ck_tp2_pp2"]
+    train_logits = next(r["train_logits"] for r in res if "train_logits" in r)
+    out = os.path.join(work, "exported")
+    reshard.main([ck, "--to-hf", out, "--dtype", "fp32", "--max-shard-gb", str(40e3 / 2 ** 30)])
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert "lm_head.weight" not in index["weight_map"]  # tied: the head is the embedding
+    assert len(set(index["weight_map"].values())) > 1  # several shards
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "float32"
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    hf = helpers.hf_model(out)
+    seqs_logits = []
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g) for n in (7, 12, 5)]
+    with torch.no_grad():
+        for s in seqs:
+            seqs_logits.append(hf(s[None]).logits[0])
+    assert rel_err(train_logits, torch.cat(seqs_logits)) <= 1e-5
+    with pytest.raises(FileExistsError, match="already exists"):
+        reshard.main([ck, "--to-hf", out])
+    bf = os.path.join(work, "exported_bf16")
+    reshard.main([ck, "--to-hf", bf, "--dtype", "bf16"])
+    assert json.load(open(os.path.join(bf, "config.json")))["torch_dtype"] == "bfloat16"
+    assert math.isclose(sum(os.path.getsize(os.path.join(bf, f)) for f in os.listdir(bf) if f.endswith(".safetensors")),
+                        sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors")) / 2,
+                        rel_tol=0.05)
+
+
+def test_load_into_errors(tmp_path):
+    ckpt = helpers.make_checkpoint(str(tmp_path / "hf"), "llama", with_tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        reshard.load_into(load_model(ckpt), ckpt)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    m = load_model(ckpt)
+    reshard.save_model_shard(m, Layout(), str(ck))
+    json.dump({"step": 0, "tp": 1, "pp": 1, "dp": 1, "model_config": {**m.cfg.raw, "intermediate_size": 128}},
+              open(ck / "meta.json", "w"))
+    with pytest.raises(ValueError, match="stage 0 holds|intermediate_size"):
+        reshard.load_into(m, str(ck))
+    json.dump({"step": 0, "tp": 2, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck / "meta.json", "w"))
+    with pytest.raises(FileNotFoundError, match="lacks .*model_pp0_tp1.safetensors"):
+        reshard.load_full_state(str(ck))

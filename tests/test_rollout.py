@@ -1,0 +1,296 @@
+"""rollout.py: greedy parity with transformers, continuous batching, log-probs against teacher forcing,
+sampling statistics and masks, stops, prefill sharing, tensor parallelism, CUDA graphs (GPU only)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import helpers
+import parallel
+from model import load_model
+from rollout import Generator, SamplingParams
+
+
+def rand_prompts(lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+
+
+def teacher_logits(model, seq):
+    """The model's logits over a whole sequence through the training path (model.packed)."""
+    ids = torch.tensor(seq)
+    with torch.no_grad():
+        return model.logits(model.packed(ids, torch.arange(len(seq)), torch.tensor([0, len(seq)], dtype=torch.int32),
+                                         len(seq)))
+
+
+def tokens(comps):
+    return [c.token_ids for c in comps]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return helpers.make_checkpoint(str(tmp_path_factory.mktemp("qwen2")), "qwen2", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt).eval()
+
+
+# ----------------------------------------------------------------------------- greedy and batching
+
+
+@pytest.mark.parametrize("family", helpers.FAMILIES)
+def test_greedy_matches_transformers(family, tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path), family, with_tokenizer=False)
+    ours, ref = load_model(path).eval(), helpers.hf_model(path)
+    prompts = rand_prompts((5, 13, 2, 9), seed=1)
+    greedy = SamplingParams(temperature=0, max_new_tokens=10)
+    eos = Generator(ours, max_rows=8).generate(prompts, greedy)[0].token_ids[3]  # an EOS that does occur
+    got = Generator(ours, max_rows=8, sync_every=4).generate(prompts, greedy, eos_token_ids=[eos])
+    for p, c in zip(prompts, got):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, eos_token_id=eos,
+                               pad_token_id=eos)
+        want = out[0, len(p):].tolist()
+        assert c.token_ids == want, (family, c.prompt_index)
+        assert c.finish_reason == ("stop" if want[-1] == eos else "length")
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) <= 4
+
+
+def test_continuous_batching_with_a_small_cache(model):
+    prompts = rand_prompts((4, 12, 7, 1, 15, 6, 9), seed=2)
+    greedy = SamplingParams(temperature=0, max_new_tokens=9)
+    eos = Generator(model, max_rows=8).generate(prompts, greedy)[1].token_ids[2]  # stops some rows early
+    alone = [Generator(model, max_rows=1).generate([p], greedy, eos_token_ids=[eos])[0] for p in prompts]
+    small = Generator(model, max_rows=2, sync_every=3)
+    got = small.generate(prompts, greedy, eos_token_ids=[eos])
+    assert small.cache.rows == 2 and small.stats["prefill_forwards"] >= 4  # rows were reused
+    assert tokens(got) == tokens(alone)
+    assert {c.finish_reason for c in got} == {"stop", "length"}
+    for a, b in zip(got, alone):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+    # draws are keyed by (seed, prompt, sample, position): the cache size does not change samples
+    sampled = SamplingParams(temperature=1.0, n=2, max_new_tokens=9, seed=3)
+    three = Generator(model, max_rows=3, sync_every=5)
+    a = three.generate(prompts, sampled, eos_token_ids=[eos])
+    b = Generator(model, max_rows=32).generate(prompts, sampled, eos_token_ids=[eos])
+    assert tokens(a) == tokens(b)
+    assert small.stats["compactions"] + three.stats["compactions"] >= 1  # the tail moved rows forward
+
+
+# ----------------------------------------------------------------------------- log-probs and sampling
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, -1), (1.0, -1), (0.6, 20)])
+def test_logprobs_match_teacher_forcing(model, temperature, top_k):
+    prompts = rand_prompts((6, 11, 3), seed=4)
+    params = SamplingParams(temperature=temperature, top_k=top_k, n=2, max_new_tokens=8, seed=1)
+    comps = Generator(model, max_rows=8, sync_every=4).generate(prompts, params)
+    for c in comps:
+        p = prompts[c.prompt_index]
+        logits = teacher_logits(model, p + c.token_ids)[len(p) - 1:-1]
+        # log_softmax(logits / T) over the whole vocabulary (T = 1 for greedy), not top-k-renormalised
+        want = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - want).abs().max().item() <= 1e-5
+        if temperature == 0:
+            assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic, pooling the cells expected below 5 into one; returns (statistic, dof)."""
+    expected = probs.double() * counts.sum()
+    big = expected >= 5
+    obs, exp = counts[big].double(), expected[big]
+    if not big.all():
+        obs, exp = torch.cat([obs, counts[~big].double().sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    return ((obs - exp) ** 2 / exp).sum().item(), len(obs) - 1
+
+
+def test_sampling_is_reproducible_and_follows_the_softmax(model):
+    prompt = rand_prompts((7,), seed=5)[0]
+    T, n = 0.8, 16384
+    params = SamplingParams(n=n, temperature=T, max_new_tokens=1, seed=11)
+    gen = Generator(model, max_rows=2048)  # the samples of one prompt come in 8 admissions
+    a = tokens(gen.generate([prompt], params))
+    assert a == tokens(gen.generate([prompt], params))
+    assert a != tokens(gen.generate([prompt], dataclasses.replace(params, seed=12)))
+    logits = teacher_logits(model, prompt)[-1]
+    counts = torch.bincount(torch.tensor([t[0] for t in a]), minlength=logits.numel())
+    stat, dof = chi_square(counts, torch.softmax(logits / T, -1))
+    limit = dof + 5 * math.sqrt(2 * dof)  # ~5 sigma: generous, yet far below a wrong distribution's
+    assert stat < limit, (stat, dof)
+    wrong, _ = chi_square(counts, torch.softmax(logits / (T * 0.9), -1))  # the test can tell T from 0.9 T
+    assert wrong > limit, (wrong, limit)
+
+
+def test_top_k_and_top_p_masks_are_exact(model):
+    prompt = rand_prompts((6,), seed=6)[0]
+    T = 1.5
+    probs = torch.softmax(teacher_logits(model, prompt)[-1] / T, -1)
+    order = probs.argsort(descending=True)
+    mass = probs[order].cumsum(0)
+    gen = Generator(model, max_rows=1500)
+
+    def drawn(**kw):
+        comps = gen.generate([prompt], SamplingParams(n=1500, temperature=T, max_new_tokens=1, seed=2, **kw))
+        return {c.token_ids[0] for c in comps}
+
+    assert drawn(top_k=7) == set(order[:7].tolist())
+    # a nucleus halfway between the top-5 and top-6 masses keeps exactly the top 6
+    assert drawn(top_p=((mass[4] + mass[5]) / 2).item()) == set(order[:6].tolist())
+    # top-k first, then the nucleus of the renormalised top 10
+    mass10 = mass[:10] / mass[9]
+    assert drawn(top_k=10, top_p=((mass10[2] + mass10[3]) / 2).item()) == set(order[:4].tolist())
+    # later tokens too: every token of a top-3 completion is among the top 3 of its teacher-forced logits
+    comps = gen.generate([prompt], SamplingParams(n=4, temperature=T, top_k=3, max_new_tokens=8, seed=3))
+    for c in comps:
+        logits = teacher_logits(model, prompt + c.token_ids)[len(prompt) - 1:-1]
+        rank = (logits > logits.gather(1, torch.tensor(c.token_ids)[:, None])).sum(-1)
+        assert rank.max().item() < 3
+
+
+def test_vocab_size_limits_the_draw_not_the_softmax(model):
+    prompt = rand_prompts((5,), seed=7)[0]
+    comps = Generator(model, max_rows=512, vocab_size=128).generate(
+        [prompt], SamplingParams(n=512, temperature=2.0, max_new_tokens=2, seed=1))
+    drawn = torch.tensor(tokens(comps))
+    assert drawn.max().item() < 128 and len(set(drawn[:, 0].tolist())) > 20
+    logp = torch.log_softmax(teacher_logits(model, prompt)[-1] / 2.0, -1)
+    assert max(abs(c.logprobs[0] - logp[c.token_ids[0]].item()) for c in comps) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- stops, n, errors
+
+
+def test_stop_tokens_and_max_length(model):
+    prompts = rand_prompts((5, 8, 3), seed=8)
+    free = tokens(Generator(model, max_rows=4).generate(prompts, SamplingParams(temperature=0, max_new_tokens=10)))
+    stop = free[0][4]
+    gen = Generator(model, max_rows=4, sync_every=16)
+    got = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop,)))
+    for c, f in zip(got, free):
+        want = f[:f.index(stop) + 1] if stop in f else f
+        assert c.token_ids == want and c.finish_reason == ("stop" if stop in f else "length")
+    # ignore_eos drops the EOS ids, not the explicit stop ids
+    got = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True), eos_token_ids=stop)
+    assert tokens(got) == free and {c.finish_reason for c in got} == {"length"}
+    got = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10), max_new_tokens=[3, 1, 10])
+    assert tokens(got) == [free[0][:3], free[1][:1], free[2]]
+    # sampled, with several stop ids: nothing follows a stop token, and max_new_tokens bounds the rest
+    stops = set(free[1][:4])
+    comps = gen.generate(prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=7, seed=4,
+                                                 stop_token_ids=tuple(stops)))
+    for c in comps:
+        assert not stops & set(c.token_ids[:-1]) and 1 <= len(c.token_ids) <= 7
+        assert c.finish_reason == ("stop" if c.token_ids[-1] in stops else "length")
+        assert c.finish_reason == "stop" or len(c.token_ids) == 7
+    assert {c.finish_reason for c in comps} == {"stop", "length"}
+
+
+def test_n_samples_share_one_prefill(model):
+    prompts = rand_prompts((5, 9, 4), seed=9)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=7)
+    gen = Generator(model, max_rows=12)
+    comps = gen.generate(prompts, params)
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(p, s) for p in range(3) for s in range(4)]
+    assert gen.stats["prefill_forwards"] == 1 and gen.stats["prefill_tokens"] == 18
+    assert all(len({tuple(c.token_ids) for c in comps[4 * p:4 * p + 4]}) > 1 for p in range(3))
+    # 3 rows for groups of 4: every prompt is admitted in two pieces, so prefilled twice
+    small = Generator(model, max_rows=3)
+    assert tokens(small.generate(prompts, params)) == tokens(comps)
+    assert small.stats["prefill_tokens"] == 36
+
+
+def test_errors_name_the_problem(model):
+    gen = Generator(model, max_rows=2, max_len=16)
+    with pytest.raises(ValueError, match="prompt 1 has 12 tokens.*max_new_tokens=8.*needs 20.*max_len=16"):
+        gen.generate([[1, 2], list(range(12))], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        gen.generate([[]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="token id 999 outside"):
+        gen.generate([[1, 999]], SamplingParams(max_new_tokens=2))
+    for bad, key in ((dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"), (dict(n=0), "n="),
+                     (dict(top_k=-3), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{key}"):
+            gen.generate([[1]], SamplingParams(**{"max_new_tokens": 2, **bad}))
+    with pytest.raises(ValueError, match="expected 2 ints"):
+        gen.generate([[1], [2]], SamplingParams(max_new_tokens=2), max_new_tokens=[1])
+    with pytest.raises(ValueError, match="budget of 10 tokens.*max_len=64"):
+        Generator(model, max_len=64, kv_cache_tokens=10)
+    with pytest.raises(ValueError, match="vocab_size=999"):
+        Generator(model, vocab_size=999)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def _tp_body(rank, world, path, prompts):
+    model = load_model(path, parallel.make_layout(tp=2)).eval()
+    gen = Generator(model, max_rows=4, sync_every=3, vocab_size=200)
+    runs = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)),
+            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4)),
+            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9))]
+    return [(tokens(r), [c.logprobs for c in r]) for r in runs]
+
+
+def test_tensor_parallel_generation(ckpt, model):
+    prompts = rand_prompts((6, 3, 10), seed=10)
+    r0, r1 = helpers.run_distributed(_tp_body, 2, ckpt, prompts)
+    gen = Generator(model, max_rows=4, sync_every=3, vocab_size=200)
+    single = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)),
+              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4)),
+              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9))]
+    for (t0, lp0), (t1, lp1), one in zip(r0, r1, single):
+        assert t0 == t1 and lp0 == lp1  # both ranks agree exactly
+        # and match one process: the draws do not depend on tp (barring fp32 rounding at a boundary)
+        assert t0 == tokens(one)
+        assert max(abs(a - b) for x, y in zip(lp0, one) for a, b in zip(x, y.logprobs)) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_graphs_match_eager_and_free_releases_memory(ckpt):
+    model = load_model(ckpt, dtype=torch.bfloat16, device="cuda").eval()
+    prompts = rand_prompts((5, 40, 17, 3, 60, 9), seed=11)
+    warm = Generator(model, max_rows=4)  # cuBLAS workspaces (one per stream) outlive any Generator
+    warm.generate(prompts, SamplingParams(max_new_tokens=4))
+    warm.free()
+    base = torch.cuda.memory_allocated()
+    outs = {}
+    for graphs in (False, True):
+        gen = Generator(model, max_rows=4, sync_every=5, use_cuda_graphs=graphs)
+        outs[graphs] = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=30)),
+                        gen.generate(prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=1)),
+                        gen.generate(prompts, SamplingParams(temperature=0.7, n=2, max_new_tokens=20, top_k=8))]
+        assert (gen.stats["graphs_captured"] > 0) == graphs
+        gen.free()
+        assert torch.cuda.memory_allocated() == base
+    for a, b in zip(outs[False], outs[True]):
+        assert tokens(a) == tokens(b)
+        assert max(abs(x - y) for ca, cb in zip(a, b) for x, y in zip(ca.logprobs, cb.logprobs)) <= 1e-3
+
+
+@cuda
+@pytest.mark.parametrize("B,hkv,g,d,L", [(256, 2, 7, 64, 768), (1, 4, 7, 128, 2000), (5, 2, 2, 24, 37)])
+def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L):
+    import model as M
+    if not M.TRITON:
+        pytest.skip("needs triton")
+    torch.manual_seed(0)
+    k, v = (torch.randn(B, hkv, L + 9, d, device="cuda", dtype=torch.bfloat16)[:, :, :L] for _ in range(2))
+    q = torch.randn(B, hkv * g, d, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.randint(1, L + 1, (B,), device="cuda", dtype=torch.int32)
+    got = M.decode_attention(q, k, v, lengths)
+    M.TRITON = False
+    try:
+        want = M.decode_attention(q.float(), k.float(), v.float(), lengths)
+    finally:
+        M.TRITON = True
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
