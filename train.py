@@ -1,0 +1,1037 @@
+"""RL post-training of an LLM (GRPO, PPO, DAPO and relatives): the orchestration.
+
+    torchrun --nproc_per_node=8 train.py configs/7b.yaml [key.path=value ...]
+    python train.py configs/tiny.yaml                        # one process, CPU
+
+Every rank runs this same file (SPMD). The actor, its generation engine, the frozen reference
+policy and (for PPO) the critic share the same GPUs in turn: HybridFlow's colocated engine.
+
+One step
+--------
+1. **Generate.** The actor is resharded from its training layout (tp x pp x dp) into its
+   generation layout (tp_g, no pipeline, W/tp_g replicas); each replica samples `rollout.n`
+   responses for its share of the `data.train_batch_size` prompts and returns every token's
+   log-prob. Then the weights go back and the KV cache is freed.
+2. **Score.** Rule-based rewards per response (rewards.py), DAPO's overlong shaping, and
+   DAPO's dynamic sampling: groups whose n responses all score the same carry no signal for a
+   group-relative advantage, so they are dropped and more prompts are drawn until the batch is full.
+3. **Recompute.** Log-probs of the responses under the actor ("old" policy, pi_old, in the
+   training layout: these differ slightly from the generator's, see training/rollout_probs_diff_*),
+   under the reference policy (for a KL term) and the critic's values, in packed micro-batches.
+4. **Advantages.** GAE with the critic's values (PPO), or outcome-based group baselines
+   (GRPO, RLOO, REINFORCE++) — algorithms.py.
+5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
+   prompts; each mini-batch is one optimizer step over micro-batches of at most
+   `actor.max_tokens_per_micro_batch` tokens, spread evenly over the DP ranks. Every micro-batch
+   loss is divided by the *global* denominator of its mini-batch (tokens or sequences over all
+   micro-batches and DP ranks), so the gradient is the same however the batch was split.
+
+All ranks hold the whole batch of rollouts (token ids and per-token tensors are small next to
+the model); the DP split happens by choosing rows. Tensors computed on the last pipeline stage
+are summed over the world with only (last stage, tp rank 0) ranks contributing, so every rank
+sees the same numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+import algorithms as alg
+from data import PromptDataset, Sampler, load_tokenizer, pack_micro_batches, packed_inputs
+from model import ModelConfig, load_model
+from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, validate_layout,
+                      vocab_parallel_logprobs)
+from rewards import load_reward_fn, score_batch
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class DataConfig:
+    train_files: list = field(default_factory=list)
+    val_files: list = field(default_factory=list)
+    train_batch_size: int = 16          # prompts per step
+    val_batch_size: int = 256           # prompts per validation generate() call
+    val_max_samples: int = -1           # cap the validation set (-1: all)
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    truncation: str = "error"           # error | left | right | middle
+    filter_overlong_prompts: bool = True
+    prompt_key: str = "prompt"
+    shuffle: bool = True
+    seed: int = 0
+    cache_dir: str = ""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"       # constant | cosine | linear
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = ""
+    random_init: bool = False           # random weights from config.json (benchmarks, the tiny task)
+    dtype: str = "auto"                 # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 16       # prompts per optimizer step
+    ppo_epochs: int = 1
+    max_tokens_per_micro_batch: int = 16384
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    policy_loss_mode: str = "vanilla"   # vanilla | gspo | cispo
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class CriticConfig:
+    model_path: str = ""                # default: the actor's
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_epochs: int = -1                # -1: the actor's
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_rows: int = 256                 # concurrent sequences per generation replica
+    kv_cache_tokens: int = 0            # 0: size from gpu_memory_fraction (CPU: rows x max length)
+    gpu_memory_fraction: float = 0.5
+    use_cuda_graphs: bool = True
+    val_temperature: float = 0.0        # 0: greedy validation
+    val_n: int = 1
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"                 # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    metric: str = "score"               # score, or a key the scorer returns (e.g. acc)
+    max_num_gen_batches: int = 10
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RolloutISConfig:
+    enable: bool = False
+    threshold: float = 2.0
+    level: str = "token"
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"         # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+
+
+@dataclass
+class RewardConfig:
+    fn: str = ""                        # path/to/file.py:function, or empty for rewards.compute_score
+
+
+@dataclass
+class TrainLayoutConfig:
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class GenLayoutConfig:
+    tp: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    train: TrainLayoutConfig = field(default_factory=TrainLayoutConfig)
+    rollout: GenLayoutConfig = field(default_factory=GenLayoutConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 10
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = False
+    output_dir: str = "outputs/run"
+    resume: str = "auto"                # auto | never | PATH to a step_N directory
+    keep_last_k: int = 2
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 0
+    device: str = "auto"                # auto | cpu | cuda
+    timeout_s: int = 1800               # collective timeout: a dead rank fails the job, never hangs it
+    max_nonfinite_skips: int = 3
+    peak_tflops: float = 989.0          # dense bf16 peak per GPU, for perf/mfu/actor
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+CHOICES = {"data.truncation": ("error", "left", "right", "middle"), "actor.dtype": ("auto", "bf16", "fp32"),
+           "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           "actor.policy_loss_mode": ("vanilla", "gspo", "cispo"),
+           "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+           "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
+           "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+           "algorithm.kl_ctrl.type": ("fixed", "adaptive"), "algorithm.rollout_is.level": ("token", "sequence"),
+           "actor.optim.lr_schedule": ("constant", "cosine", "linear"),
+           "critic.optim.lr_schedule": ("constant", "cosine", "linear"), "trainer.device": ("auto", "cpu", "cuda")}
+
+
+def _build(cls, d: dict, prefix: str, source: str):
+    """dict -> dataclass, naming the nearest valid key for an unknown one and checking types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, val in d.items():
+        path = prefix + key
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
+            raise KeyError(f"{source}: unknown config key {path!r}{hint}")
+        default = getattr(cls(), key)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(val, dict):
+                raise TypeError(f"{source}: {path} must be a mapping, got {val!r}")
+            kwargs[key] = _build(type(default), val, path + ".", source)
+            continue
+        if isinstance(default, bool) and not isinstance(val, bool):
+            raise TypeError(f"{source}: {path} must be true or false, got {val!r}")
+        if isinstance(default, float) and isinstance(val, (int, str)) and not isinstance(val, bool):
+            try:  # YAML reads 1e-6 (no dot) as a string
+                val = float(val)
+            except ValueError:
+                pass
+        if isinstance(default, list) and isinstance(val, str):
+            val = [val]
+        if not isinstance(val, type(default)) or (isinstance(val, bool) and not isinstance(default, bool)):
+            raise TypeError(f"{source}: {path} must be {type(default).__name__}, got {val!r}")
+        if path in CHOICES and val not in CHOICES[path]:
+            raise ValueError(f"{source}: {path}={val!r} is not one of {list(CHOICES[path])}")
+        kwargs[key] = val
+    return cls(**kwargs)
+
+
+def load_config(path: str, overrides: list[str] = ()) -> Config:
+    """YAML file + `a.b=value` overrides (values parsed as YAML) -> Config."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    for ov in overrides:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} must look like key.path=value")
+        key, val = ov.split("=", 1)
+        node = raw
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise TypeError(f"override {ov!r}: {p} is not a mapping")
+        node[last] = yaml.safe_load(val)
+    cfg = _build(Config, raw, "", path)
+    check_config(cfg, path)
+    return cfg
+
+
+def check_config(cfg: Config, source: str) -> None:
+    d, a = cfg.data, cfg.actor
+    if not a.model_path:
+        raise ValueError(f"{source}: actor.model_path is required")
+    if not d.train_files:
+        raise ValueError(f"{source}: data.train_files is required")
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ValueError(f"{source}: data.train_batch_size={d.train_batch_size} must be a multiple of "
+                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
+        raise ValueError(f"{source}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the "
+                         f"rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
+    if cfg.rollout.temperature <= 0:
+        raise ValueError(f"{source}: rollout.temperature must be > 0 for training (log-probs divide by it)")
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def init_distributed(cfg: Config) -> torch.device:
+    """torchrun's environment -> process group (NCCL on GPU, gloo on CPU); one process works too."""
+    want = cfg.trainer.device
+    use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.trainer.timeout_s),
+                                device_id=device if use_cuda else None)
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+@dataclass
+class Role:
+    """A model in the training layout with (for trained roles) its sharded optimizer."""
+
+    model: torch.nn.Module
+    optim: ShardedAdamW | None
+    ocfg: OptimConfig | None
+
+
+def world_sum(t: torch.Tensor, contribute: bool) -> torch.Tensor:
+    """Sum over the world where only `contribute` ranks add their value (the others add zeros)."""
+    t = t if contribute else torch.zeros_like(t)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+# ----------------------------------------------------------------------------- the batch
+
+
+@dataclass
+class Batch:
+    """All rollouts of one step (identical on every rank). Per-token tensors are [B, R]."""
+
+    prompts: list        # list[list[int]] per sample
+    responses: list      # list[list[int]] per sample
+    index: torch.Tensor  # [B] group id (the prompt's dataset index)
+    data_source: list
+    ground_truth: list
+    extra_info: list
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    tensors: dict = field(default_factory=dict)  # scores, old/ref log-probs, values, advantages, ...
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, keep: list[int]) -> "Batch":
+        pick = lambda xs: [xs[i] for i in keep]
+        k = torch.tensor(keep, dtype=torch.long)
+        return Batch(pick(self.prompts), pick(self.responses), self.index[k], pick(self.data_source),
+                     pick(self.ground_truth), pick(self.extra_info), self.response_mask[k],
+                     self.rollout_log_probs[k], {n: v[k] for n, v in self.tensors.items()})
+
+
+def make_batch(items: list[dict], completions: list, R: int) -> Batch:
+    B = len(completions)
+    mask = torch.zeros(B, R)
+    rlp = torch.zeros(B, R)
+    src = [items[c.prompt_index] for c in completions]
+    for i, c in enumerate(completions):
+        n = len(c.token_ids)
+        mask[i, :n] = 1
+        rlp[i, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return Batch([s["prompt_ids"] for s in src], [list(c.token_ids) for c in completions],
+                 torch.tensor([s["index"] for s in src], dtype=torch.long), [s["data_source"] for s in src],
+                 [s["ground_truth"] for s in src], [s["extra_info"] for s in src], mask, rlp)
+
+
+def concat_batches(bs: list[Batch]) -> Batch:
+    if len(bs) == 1:
+        return bs[0]
+    cat = lambda name: sum((getattr(b, name) for b in bs), [])
+    return Batch(cat("prompts"), cat("responses"), torch.cat([b.index for b in bs]), cat("data_source"),
+                 cat("ground_truth"), cat("extra_info"), torch.cat([b.response_mask for b in bs]),
+                 torch.cat([b.rollout_log_probs for b in bs]),
+                 {n: torch.cat([b.tensors[n] for b in bs]) for n in bs[0].tensors})
+
+
+def micro_batch(batch: Batch, rows: list[int], device) -> dict:
+    """Pack rows (prompt + response) into one micro-batch; `sel` are the packed positions whose next
+    token is a response token, (`row`, `col`) where each lands in the [len(rows), R] tensors."""
+    seqs = [batch.prompts[i] + batch.responses[i] for i in rows]
+    mb = packed_inputs(seqs) if seqs else {"input_ids": torch.zeros(0, dtype=torch.long),
+                                           "position_ids": torch.zeros(0, dtype=torch.long),
+                                           "cu_seqlens": torch.zeros(1, dtype=torch.int32), "max_seqlen": 0}
+    plen = torch.tensor([len(batch.prompts[i]) for i in rows], dtype=torch.long)
+    rlen = torch.tensor([len(batch.responses[i]) for i in rows], dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(rows)), rlen)
+    first = torch.cumsum(rlen, 0) - rlen
+    col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(first, rlen)
+    sel = mb["cu_seqlens"][:-1].long()[row] + plen[row] - 1 + col
+    mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long),
+              targets=mb["input_ids"][sel + 1] if len(sel) else torch.zeros(0, dtype=torch.long))
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+
+
+def dp_micro_batches(batch: Batch, rows: list[int], max_tokens: int, layout, device) -> list[dict]:
+    """This DP rank's micro-batches of `rows`, balanced over DP ranks by tokens."""
+    lens = [len(batch.prompts[i]) + len(batch.responses[i]) for i in rows]
+    plan = pack_micro_batches(lens, max_tokens, layout.dp)[layout.dp_rank]
+    return [micro_batch(batch, [rows[j] for j in mbi], device) for mbi in plan]
+
+
+def scatter_rows(mb: dict, values: torch.Tensor, R: int) -> torch.Tensor:
+    """Per-token values of a micro-batch -> [rows, R] (differentiable)."""
+    out = values.new_zeros(len(mb["rows"]), R)
+    return out.index_put((mb["row"], mb["col"]), values)
+
+
+# ----------------------------------------------------------------------------- forward passes
+
+
+def compute_log_probs(role: Role, layout, batch: Batch, cfg: Config, device, with_entropy=False,
+                      values=False) -> dict[str, torch.Tensor]:
+    """Forward-only over the whole batch in packed micro-batches: log-probs (and entropy) or values,
+    as [B, R] tensors on every rank."""
+    R = batch.response_mask.shape[1]
+    model = role.model
+    temp = cfg.rollout.temperature
+
+    def fn(m, hidden, mb):
+        h = hidden[mb["sel"]]
+        if values:
+            return hidden.new_zeros(()), {"values": m.values(h)}
+        logp, ent = vocab_parallel_logprobs(m.logits(h), mb["targets"], layout.tp_group, temp, with_entropy)
+        return hidden.new_zeros(()), {"log_probs": logp, **({"entropy": ent} if with_entropy else {})}
+
+    mbs = dp_micro_batches(batch, list(range(len(batch))), cfg.actor.max_tokens_per_micro_batch, layout, device)
+    model.eval()
+    with torch.no_grad():
+        outs = pipeline_forward_backward(model, layout, mbs, fn, forward_only=True)
+    model.train()
+    contribute = layout.is_last_stage and layout.tp_rank == 0
+    result = {}
+    for name in (["values"] if values else ["log_probs"] + (["entropy"] if with_entropy else [])):
+        full = torch.zeros(len(batch), R, device=device)
+        if contribute:
+            for mb, o in zip(mbs, outs):
+                full[mb["rows"]] = scatter_rows(mb, o[name].float(), R)
+        result[name] = world_sum(full, contribute).cpu()
+    return result
+
+
+def update(role: Role, layout, batch: Batch, cfg: Config, device, step: int, loss_fn, epochs: int,
+           agg_mode: str) -> dict[str, float]:
+    """ppo_epochs x mini-batches of optimizer steps; loss_fn(model, hidden, mb, denom) -> (loss, metrics)."""
+    n = cfg.rollout.n
+    mini = cfg.actor.ppo_mini_batch_size * n
+    metrics: dict[str, float] = {}
+    sums = {}
+    count = 0
+    for epoch in range(epochs):
+        for start in range(0, len(batch), mini):
+            rows = list(range(start, min(start + mini, len(batch))))
+            mask = batch.response_mask[rows]
+            denom = {"agg": alg.loss_denominator(mask, agg_mode), "tokens": float(mask.sum())}
+            mbs = dp_micro_batches(batch, rows, cfg.actor.max_tokens_per_micro_batch, layout, device)
+            role.optim.zero_grad()
+            outs = pipeline_forward_backward(role.model, layout, mbs, lambda m, h, mb: loss_fn(m, h, mb, denom))
+            role.optim.reduce_gradients()
+            gnorm = role.optim.clip_grad_norm(role.ocfg.grad_clip)
+            lr = lr_at(step, cfg.trainer.total_steps, role.ocfg.lr, role.ocfg.lr_warmup_steps,
+                       role.ocfg.lr_schedule, role.ocfg.min_lr_ratio)
+            if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
+                raise FloatingPointError(f"non-finite grad norm {gnorm} at step {step}")
+            role.optim.step(lr)
+            keys = sorted({k for o in outs for k in o})
+            vec = torch.tensor([sum(float(o[k]) for o in outs if k in o) for k in keys], dtype=torch.float64)
+            vec = world_sum(vec, layout.is_last_stage and layout.tp_rank == 0)
+            for k, v in zip(keys, vec.tolist()):
+                sums[k] = sums.get(k, 0.0) + v
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + gnorm
+            metrics["lr"] = lr
+            count += 1
+    metrics.update({k: v / count for k, v in sums.items()})
+    return metrics
+
+
+def actor_loss_fn(cfg: Config, layout, batch: Batch):
+    a, R = cfg.actor, batch.response_mask.shape[1]
+    T = batch.tensors
+
+    def fn(m, hidden, mb, denom):
+        rows = mb["rows"].cpu()
+        logp_t, ent_t = vocab_parallel_logprobs(m.logits(hidden[mb["sel"]]), mb["targets"], layout.tp_group,
+                                                cfg.rollout.temperature, with_entropy=True)
+        dev = hidden.device
+        logp, ent = scatter_rows(mb, logp_t, R), scatter_rows(mb, ent_t, R)
+        mask = batch.response_mask[rows].to(dev)
+        is_w = T["rollout_is_weights"][rows].to(dev) if "rollout_is_weights" in T else None
+        pg_loss, pm = alg.compute_policy_loss(
+            T["old_log_probs"][rows].to(dev), logp, T["advantages"][rows].to(dev), mask, denom["agg"],
+            loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c, policy_loss_mode=a.policy_loss_mode, horizon=R, rollout_is_weights=is_w,
+            global_tokens=denom["tokens"])
+        entropy = alg.agg_loss(ent, mask, "token-mean", denom["tokens"])
+        loss = pg_loss - a.entropy_coeff * alg.agg_loss(ent, mask, a.loss_agg_mode, denom["agg"], horizon=R) \
+            if a.entropy_coeff else pg_loss
+        out = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
+               **{f"actor/{k}": v.detach() for k, v in pm.items()}}
+        if a.use_kl_loss:
+            kl = alg.kl_penalty(logp, T["ref_log_probs"][rows].to(dev), a.kl_loss_type)
+            kl_loss = alg.agg_loss(kl, mask, a.loss_agg_mode, denom["agg"], horizon=R)
+            loss = loss + a.kl_loss_coef * kl_loss
+            out["actor/kl_loss"] = kl_loss.detach()
+        return loss, out
+
+    return fn
+
+
+def critic_loss_fn(cfg: Config, batch: Batch):
+    c, R, T = cfg.critic, batch.response_mask.shape[1], batch.tensors
+
+    def fn(m, hidden, mb, denom):
+        rows, dev = mb["rows"].cpu(), hidden.device
+        vpred = scatter_rows(mb, m.values(hidden[mb["sel"]]), R)
+        mask = batch.response_mask[rows].to(dev)
+        loss, clipfrac = alg.compute_value_loss(vpred, T["values"][rows].to(dev), T["returns"][rows].to(dev), mask,
+                                                denom["agg"], cliprange_value=c.cliprange_value,
+                                                loss_agg_mode=c.loss_agg_mode, horizon=R,
+                                                global_tokens=denom["tokens"])
+        return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
+
+    return fn
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Holds the roles, data, sampler and counters of one run (the state a checkpoint saves)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.device = init_distributed(cfg)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        seed_everything(cfg.trainer.seed)
+        a, p = cfg.actor, cfg.parallel
+        mcfg = ModelConfig.from_dir(a.model_path)
+        validate_layout(mcfg, p.train.tp, p.train.pp, self.world, name=a.model_path)
+        validate_layout(mcfg, p.rollout.tp, 1, self.world, name=a.model_path + " (parallel.rollout)")
+        self.mcfg = mcfg
+        self.layout = make_layout(p.train.tp, p.train.pp)
+        if cfg.data.train_batch_size % self.layout.dp:
+            raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is not divisible by dp="
+                             f"{self.layout.dp}")
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
+            a.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.tokenizer = load_tokenizer(a.model_path)
+        self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(_as_list(mcfg.raw.get("eos_token_id"))) - {None})
+        self.actor = self._role(a.model_path, a.optim, value_head=False)
+        self.actor.model.gradient_checkpointing = a.gradient_checkpointing
+        need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref = Role(self._model(a.model_path, False), None, None) if need_ref else None
+        if self.ref is not None:
+            self.ref.model.requires_grad_(False)
+        self.critic = None
+        if cfg.algorithm.adv_estimator == "gae":
+            self.critic = self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
+            self.critic.model.gradient_checkpointing = a.gradient_checkpointing
+        kc = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if kc.type == "fixed"
+                        else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
+        self.reward_fn = load_reward_fn(cfg.reward.fn or None)
+        d = cfg.data
+        cache = d.cache_dir or None
+        self.train_data = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.truncation,
+                                        d.filter_overlong_prompts, d.prompt_key, cache)
+        self.val_data = PromptDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.truncation,
+                                      d.filter_overlong_prompts, d.prompt_key, cache) if d.val_files else None
+        self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
+        from reshard import Resharder
+        self.resharder = Resharder(self.actor.model, self.layout, p.rollout.tp, seed=cfg.trainer.seed)
+        self.step = 0
+        self.nonfinite_skips = 0
+        self.out = cfg.trainer.output_dir
+
+    def _model(self, path, value_head):
+        return load_model(path, self.layout, self.dtype, self.device, random_init=self.cfg.actor.random_init,
+                          seed=self.cfg.trainer.seed, value_head=value_head, lm_head=not value_head)
+
+    def _role(self, path, ocfg: OptimConfig, value_head: bool) -> Role:
+        m = self._model(path, value_head)
+        return Role(m, ShardedAdamW(m, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas),
+                                    weight_decay=ocfg.weight_decay), ocfg)
+
+    # --- generation
+    def generate(self, items: list[dict], temperature: float, n: int, seed: int):
+        from rollout import Generator, SamplingParams
+        from reshard import collect_results, dispatch_prompts
+        cfg, R = self.cfg, self.cfg.data.max_response_length
+        prompts = [it["prompt_ids"] for it in items]
+        with self.resharder.generation() as gen_model:
+            mine, offset = dispatch_prompts(prompts, self.resharder.gen_layout)
+            # the generator hashes (seed, local prompt index, ...): shift the seed by the replica's offset
+            params = SamplingParams(n=n, temperature=temperature, top_p=cfg.rollout.top_p,
+                                    top_k=cfg.rollout.top_k, max_new_tokens=R, seed=seed + 1_000_003 * offset)
+            gen = Generator(gen_model, max_rows=cfg.rollout.max_rows,
+                            max_len=cfg.data.max_prompt_length + R,
+                            kv_cache_tokens=cfg.rollout.kv_cache_tokens or None,
+                            gpu_memory_fraction=cfg.rollout.gpu_memory_fraction,
+                            use_cuda_graphs=cfg.rollout.use_cuda_graphs)
+            try:
+                done = gen.generate(mine, params, eos_token_ids=self.eos_ids)
+            finally:
+                gen.free()
+            completions = collect_results(done, offset, self.resharder.gen_layout)
+        return completions
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """Rewards, computed for a 1/W share of the samples on each rank and then all-gathered."""
+        texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
+        share = list(range(self.rank, len(batch), self.world))
+        scores, extras, errors = score_batch(self.reward_fn, [batch.data_source[i] for i in share],
+                                             [texts[i] for i in share], [batch.ground_truth[i] for i in share],
+                                             [batch.extra_info[i] for i in share])
+        parts = [(share, scores, extras, errors)]
+        if dist.is_initialized():
+            parts = [None] * self.world
+            dist.all_gather_object(parts, (share, scores, extras, errors))
+        full = torch.zeros(len(batch))
+        ext: dict[str, torch.Tensor] = {}
+        nerr = 0
+        for idx, sc, ex, er in parts:
+            full[idx] = torch.tensor(sc, dtype=torch.float32)
+            for k, v in ex.items():
+                ext.setdefault(k, torch.full((len(batch),), float("nan")))[idx] = torch.tensor(
+                    [float("nan") if x is None else x for x in v], dtype=torch.float32)
+            nerr += er
+        ext["_errors"] = torch.tensor(float(nerr))
+        return full, ext
+
+    def rollout_batch(self) -> tuple[Batch, dict]:
+        """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
+        cfg = self.cfg
+        fg, n, R = cfg.algorithm.filter_groups, cfg.rollout.n, cfg.data.max_response_length
+        kept: list[Batch] = []
+        num_prompts, gen_batches, metrics = 0, 0, {}
+        while num_prompts < cfg.data.train_batch_size:
+            if gen_batches >= max(fg.max_num_gen_batches, 1) and fg.enable:
+                raise RuntimeError(f"algorithm.filter_groups: only {num_prompts} of {cfg.data.train_batch_size} "
+                                   f"prompts had varied {fg.metric!r} after {gen_batches} generation batches "
+                                   "(algorithm.filter_groups.max_num_gen_batches); raise it or check the rewards")
+            items = self.train_data.get_batch(self.sampler.next_indices())
+            t0 = time.perf_counter()
+            comps = self.generate(items, cfg.rollout.temperature, n, seed=cfg.trainer.seed + 7919 * self.step
+                                  + gen_batches)
+            metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + time.perf_counter() - t0
+            batch = make_batch(items, comps, R)
+            scores, extras = self.score(batch)
+            metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(extras.pop("_errors"))
+            batch.tensors["score"] = scores
+            for k, v in extras.items():
+                batch.tensors["extra/" + k] = v
+            gen_batches += 1
+            if not fg.enable:
+                kept.append(batch)
+                break
+            metric = scores if fg.metric == "score" else batch.tensors.get("extra/" + fg.metric)
+            if metric is None:
+                raise KeyError(f"algorithm.filter_groups.metric={fg.metric!r} is not returned by the reward "
+                               f"function (it returns: score, {', '.join(extras) or 'nothing else'})")
+            keep = alg.filter_groups(metric, batch.index).nonzero().flatten().tolist()
+            kept.append(batch.select(keep))
+            num_prompts += len(keep) // n
+        batch = concat_batches(kept)
+        if fg.enable:
+            batch = batch.select(list(range(cfg.data.train_batch_size * n)))
+            metrics["train/num_gen_batches"] = float(gen_batches)
+        return batch, metrics
+
+    # --- one step
+    def train_step(self) -> dict:
+        cfg, T0 = self.cfg, time.perf_counter()
+        batch, metrics = self.rollout_batch()
+        metrics["timing_s/reshard"] = self.resharder.last_timing if hasattr(self.resharder, "last_timing") else 0.0
+        R = cfg.data.max_response_length
+        mask = batch.response_mask
+        resp_len = mask.sum(-1)
+        scores = batch.tensors["score"]
+        if cfg.algorithm.overlong_buffer.enable:
+            ob = cfg.algorithm.overlong_buffer
+            scores = scores + alg.compute_overlong_penalty(resp_len, R, ob.len, ob.penalty_factor)
+        last = (resp_len.long() - 1).clamp(min=0)
+        token_scores = torch.zeros_like(mask)
+        token_scores[torch.arange(len(batch)), last] = scores * (resp_len > 0)
+        tm = time.perf_counter()
+        old = compute_log_probs(self.actor, self.layout, batch, cfg, self.device, with_entropy=False)
+        metrics["timing_s/old_log_prob"] = time.perf_counter() - tm
+        T = batch.tensors
+        T["old_log_probs"] = old["log_probs"]
+        metrics.update(alg.rollout_mismatch_metrics(T["old_log_probs"], batch.rollout_log_probs, mask))
+        if cfg.algorithm.rollout_is.enable:
+            ri = cfg.algorithm.rollout_is
+            T["rollout_is_weights"] = alg.compute_rollout_is_weights(T["old_log_probs"], batch.rollout_log_probs,
+                                                                     mask, ri.threshold, ri.level)
+        if self.ref is not None:
+            tm = time.perf_counter()
+            T["ref_log_probs"] = compute_log_probs(self.ref, self.layout, batch, cfg, self.device)["log_probs"]
+            metrics["timing_s/ref"] = time.perf_counter() - tm
+        if self.critic is not None:
+            tm = time.perf_counter()
+            T["values"] = compute_log_probs(self.critic, self.layout, batch, cfg, self.device, values=True)["values"]
+            metrics["timing_s/values"] = time.perf_counter() - tm
+        if cfg.algorithm.use_kl_in_reward:
+            rewards, km = alg.apply_kl_penalty(token_scores, T["old_log_probs"], T["ref_log_probs"], mask,
+                                               self.kl_ctrl, cfg.algorithm.kl_penalty)
+            metrics.update(km)
+        else:
+            rewards = token_scores
+        al = cfg.algorithm
+        adv, ret = alg.compute_advantage(al.adv_estimator, rewards, mask, index=batch.index, values=T.get("values"),
+                                         gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
+        T["advantages"], T["returns"] = adv, ret
+        if self.critic is not None:
+            tm = time.perf_counter()
+            epochs = cfg.critic.ppo_epochs if cfg.critic.ppo_epochs > 0 else cfg.actor.ppo_epochs
+            cm = update(self.critic, self.layout, batch, cfg, self.device, self.step, critic_loss_fn(cfg, batch),
+                        epochs, cfg.critic.loss_agg_mode)
+            metrics.update({"critic/vf_loss": cm["critic/vf_loss"], "critic/vf_clipfrac": cm["critic/vf_clipfrac"],
+                            "critic/grad_norm": cm["grad_norm"], "critic/lr": cm["lr"]})
+            metrics["timing_s/update_critic"] = time.perf_counter() - tm
+        tm = time.perf_counter()
+        am = update(self.actor, self.layout, batch, cfg, self.device, self.step, actor_loss_fn(cfg, self.layout, batch),
+                    cfg.actor.ppo_epochs, cfg.actor.loss_agg_mode)
+        t_update = time.perf_counter() - tm
+        metrics["timing_s/update_actor"] = t_update
+        metrics.update({k: v for k, v in am.items() if k.startswith("actor/")})
+        metrics["actor/grad_norm"], metrics["actor/lr"] = am["grad_norm"], am["lr"]
+        step_time = time.perf_counter() - T0
+        metrics["timing_s/step"] = step_time
+        metrics.update(self.batch_metrics(batch, scores, rewards, adv, ret, step_time, t_update))
+        return metrics
+
+    def batch_metrics(self, batch, scores, rewards, adv, ret, step_time, t_update) -> dict:
+        cfg, mask = self.cfg, batch.response_mask
+        resp_len = mask.sum(-1)
+        plen = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
+        valid = mask.bool()
+        m = {"critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
+             "critic/score/min": scores.min().item(),
+             "critic/rewards/mean": rewards.sum(-1).mean().item(),
+             "critic/advantages/mean": adv[valid].mean().item() if valid.any() else 0.0,
+             "critic/advantages/max": adv[valid].max().item() if valid.any() else 0.0,
+             "critic/advantages/min": adv[valid].min().item() if valid.any() else 0.0,
+             "critic/returns/mean": ret[valid].mean().item() if valid.any() else 0.0,
+             "response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
+             "response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
+             "prompt_length/mean": plen.mean().item()}
+        tokens = float(resp_len.sum() + plen.sum())
+        m["perf/total_num_tokens"] = tokens
+        m["perf/throughput"] = tokens / step_time / self.world
+        # actor update FLOPs: 6N per token (forward + backward) + causal attention, per PPO epoch
+        c = self.mcfg
+        seq = resp_len + plen
+        attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float((seq ** 2).sum()) / 2
+        flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs
+        m["perf/mfu/actor"] = flops / max(t_update, 1e-9) / self.world / (cfg.trainer.peak_tflops * 1e12)
+        if self.device.type == "cuda":
+            m["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return m
+
+    # --- validation
+    def validate(self) -> dict:
+        cfg, vd = self.cfg, self.val_data
+        n = len(vd) if cfg.data.val_max_samples < 0 else min(len(vd), cfg.data.val_max_samples)
+        by_src: dict[str, list] = {}
+        records = []
+        for start in range(0, n, cfg.data.val_batch_size):
+            items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
+            comps = self.generate(items, cfg.rollout.val_temperature, cfg.rollout.val_n, seed=cfg.trainer.seed)
+            batch = make_batch(items, comps, cfg.data.max_response_length)
+            scores, _ = self.score(batch)
+            texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
+            for i, c in enumerate(comps):
+                by_src.setdefault(batch.data_source[i], []).append(float(scores[i]))
+                if len(records) < 64:
+                    records.append({"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
+                                    "ground_truth": batch.ground_truth[i], "score": float(scores[i])})
+        if self.rank == 0:
+            d = os.path.join(self.out, "val_generations")
+            os.makedirs(d, exist_ok=True)
+            atomic_write(os.path.join(d, f"step_{self.step}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
+        return {f"val-core/{src}/reward/mean@{cfg.rollout.val_n}": float(np.mean(v)) for src, v in by_src.items()}
+
+    # --- checkpoints
+    def save_checkpoint(self) -> None:
+        from reshard import save_model_shard
+        root = os.path.join(self.out, "checkpoints")
+        final = os.path.join(root, f"step_{self.step}")
+        tmp = final + ".tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
+        save_model_shard(self.actor.model, self.layout, tmp)
+        lay = self.layout
+        tag = f"dp{lay.dp_rank}_pp{lay.pp_rank}_tp{lay.tp_rank}"
+        state = {"step": self.step, "optim": self.actor.optim.state_dict(), "sampler": self.sampler.state_dict(),
+                 "rng": rng_state(), "kl_ctrl": self.kl_ctrl.state_dict(), "nonfinite_skips": self.nonfinite_skips}
+        if self.critic is not None:
+            state["critic_model"] = {k: v for k, v in self.critic.model.state_dict().items()}
+            state["critic_optim"] = self.critic.optim.state_dict()
+        torch.save(state, os.path.join(tmp, f"state_{tag}.pt"))
+        barrier()
+        if self.rank == 0:
+            meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": self.mcfg.raw}
+            atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+            for f in os.listdir(self.cfg.actor.model_path):
+                if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                    shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
+            _fsync_dir(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            atomic_write(os.path.join(root, "latest"), str(self.step))
+            steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
+            for s in steps[:-self.cfg.trainer.keep_last_k] if self.cfg.trainer.keep_last_k > 0 else []:
+                shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
+        barrier()
+
+    def maybe_resume(self) -> None:
+        r = self.cfg.trainer.resume
+        if r == "never":
+            return
+        if r == "auto":
+            latest = os.path.join(self.out, "checkpoints", "latest")
+            if not os.path.isfile(latest):
+                return
+            path = os.path.join(self.out, "checkpoints", f"step_{open(latest).read().strip()}")
+        else:
+            path = r
+        if not os.path.isfile(os.path.join(path, "meta.json")):
+            raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
+        from reshard import load_into
+        meta = json.load(open(os.path.join(path, "meta.json")))
+        load_into(self.actor.model, path)
+        lay = self.layout
+        same = (meta["tp"], meta["pp"], meta["dp"]) == (lay.tp, lay.pp, lay.dp)
+        tag = f"dp{lay.dp_rank}_pp{lay.pp_rank}_tp{lay.tp_rank}"
+        st = torch.load(os.path.join(path, f"state_{tag}.pt") if same else
+                        os.path.join(path, "state_dp0_pp0_tp0.pt"), weights_only=False)
+        if same:
+            self.actor.optim.load_state_dict(st["optim"])
+            set_rng_state(st["rng"])
+            if self.critic is not None:
+                self.critic.model.load_state_dict(st["critic_model"])
+                self.critic.optim.load_state_dict(st["critic_optim"])
+        else:  # another layout: the optimizer's shards do not map; rebuild its moments from scratch
+            self.actor.optim = ShardedAdamW(self.actor.model, lay, lr=self.cfg.actor.optim.lr,
+                                            betas=tuple(self.cfg.actor.optim.betas),
+                                            weight_decay=self.cfg.actor.optim.weight_decay)
+            print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
+                  f"tp={lay.tp} pp={lay.pp} dp={lay.dp}: weights exact, Adam moments restarted", flush=True)
+        self.sampler.load_state_dict(st["sampler"])
+        self.kl_ctrl.load_state_dict(st["kl_ctrl"])
+        self.nonfinite_skips = st.get("nonfinite_skips", 0)
+        self.step = st["step"]
+
+    # --- the loop
+    def fit(self) -> None:
+        cfg = self.cfg
+        if self.rank == 0:
+            os.makedirs(self.out, exist_ok=True)
+            atomic_write(os.path.join(self.out, "config.yaml"), yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        self.maybe_resume()
+        logger = Logger(cfg, self.rank)
+        stop = {"sigterm": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
+        if self.val_data is not None and cfg.trainer.val_before_train and self.step == 0:
+            logger.log(self.step, self.validate())
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, disable=self.rank != 0, desc="steps",
+                   dynamic_ncols=True)
+        while self.step < cfg.trainer.total_steps:
+            try:
+                metrics = self.train_step()
+            except FloatingPointError as e:
+                self.nonfinite_skips += 1
+                if self.nonfinite_skips > cfg.trainer.max_nonfinite_skips:
+                    raise
+                print(f"[nanorl] step {self.step + 1} skipped: {e}", file=sys.stderr, flush=True)
+                metrics = {"train/nonfinite_skipped": 1.0}
+            self.step += 1
+            if self.val_data is not None and cfg.trainer.test_freq > 0 and (
+                    self.step % cfg.trainer.test_freq == 0 or self.step == cfg.trainer.total_steps):
+                metrics.update(self.validate())
+            logger.log(self.step, metrics)
+            bar.update(1)
+            bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+                            len=f"{metrics.get('response_length/mean', 0):.0f}",
+                            s=f"{metrics.get('timing_s/step', 0):.1f}")
+            sigterm = agree(stop["sigterm"])
+            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or \
+                    self.step == cfg.trainer.total_steps or sigterm:
+                if cfg.trainer.save_freq > 0 or sigterm:
+                    self.save_checkpoint()
+            if sigterm:
+                print(f"[nanorl] SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
+                break
+        bar.close()
+        logger.close()
+
+
+def agree(flag: bool) -> bool:
+    """True on every rank if it is true on any rank."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _as_list(x):
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _fsync_dir(d: str) -> None:
+    for f in os.listdir(d):
+        p = os.path.join(d, f)
+        if os.path.isfile(p):
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Logger:
+    """Console line, metrics.jsonl and (when installed) TensorBoard, on rank 0."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.on = rank == 0
+        self.kinds = cfg.trainer.logger
+        self.jsonl = open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"), "a") if self.on and \
+            "jsonl" in self.kinds else None
+        self.tb = None
+        if self.on and "tensorboard" in self.kinds:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(cfg.trainer.output_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.on:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        if "console" in self.kinds:
+            keys = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "response_length/mean",
+                    "timing_s/step")
+            short = " ".join(f"{k.split('/')[-2] if k.endswith('mean') else k.split('/')[-1]}={metrics[k]:.4g}"
+                             for k in keys if k in metrics)
+            val = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("val-core"))
+            print(f"[step {step}] {short} {val}".rstrip(), flush=True)
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0] + "\n\nusage: train.py CONFIG.yaml [key.path=value ...]")
+        return
+    cfg = load_config(argv[0], argv[1:])
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
