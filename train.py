@@ -38,6 +38,7 @@ import difflib
 import json
 import math
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -52,7 +53,7 @@ import torch.distributed as dist
 import yaml
 
 import algorithms as alg
-from data import PromptDataset, Sampler, load_tokenizer, pack_micro_batches, packed_inputs
+from data import PromptDataset, Sampler, atomic_write, load_tokenizer, pack_micro_batches, packed_inputs
 from model import ModelConfig, load_model
 from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, validate_layout,
                       vocab_parallel_logprobs)
@@ -227,16 +228,14 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
+SCHEDULES = ("constant", "cosine", "linear")
 CHOICES = {"data.truncation": ("error", "left", "right", "middle"), "actor.dtype": ("auto", "bf16", "fp32"),
-           "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-           "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-           "actor.policy_loss_mode": ("vanilla", "gspo", "cispo"),
-           "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-           "algorithm.kl_penalty": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"),
-           "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+           "actor.loss_agg_mode": alg.LOSS_AGG_MODES, "critic.loss_agg_mode": alg.LOSS_AGG_MODES,
+           "actor.policy_loss_mode": alg.POLICY_LOSS_MODES, "actor.kl_loss_type": alg.KL_PENALTIES,
+           "algorithm.kl_penalty": alg.KL_PENALTIES, "algorithm.adv_estimator": alg.ADV_ESTIMATORS,
            "algorithm.kl_ctrl.type": ("fixed", "adaptive"), "algorithm.rollout_is.level": ("token", "sequence"),
-           "actor.optim.lr_schedule": ("constant", "cosine", "linear"),
-           "critic.optim.lr_schedule": ("constant", "cosine", "linear"), "trainer.device": ("auto", "cpu", "cuda")}
+           "actor.optim.lr_schedule": SCHEDULES, "critic.optim.lr_schedule": SCHEDULES,
+           "trainer.device": ("auto", "cpu", "cuda")}
 
 
 def _build(cls, d: dict, prefix: str, source: str):
@@ -365,6 +364,24 @@ def world_sum(t: torch.Tensor, contribute: bool) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t)
     return t
+
+
+def world_metrics(outs: list[dict], contribute: bool) -> dict[str, float]:
+    """Sum each metric over micro-batches and then over the world (only `contribute` ranks count).
+    Objects, not a tensor all-reduce: ranks off the last pipeline stage do not know the metric names."""
+    local: dict[str, float] = {}
+    for o in outs if contribute else []:
+        for k, v in o.items():
+            local[k] = local.get(k, 0.0) + float(v)
+    parts = [local]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    total: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -507,10 +524,7 @@ def update(role: Role, layout, batch: Batch, cfg: Config, device, step: int, los
             if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
                 raise FloatingPointError(f"non-finite grad norm {gnorm} at step {step}")
             role.optim.step(lr)
-            keys = sorted({k for o in outs for k in o})
-            vec = torch.tensor([sum(float(o[k]) for o in outs if k in o) for k in keys], dtype=torch.float64)
-            vec = world_sum(vec, layout.is_last_stage and layout.tp_rank == 0)
-            for k, v in zip(keys, vec.tolist()):
+            for k, v in world_metrics(outs, layout.is_last_stage and layout.tp_rank == 0).items():
                 sums[k] = sums.get(k, 0.0) + v
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + gnorm
             metrics["lr"] = lr
@@ -825,7 +839,7 @@ class Trainer:
         if self.rank == 0:
             d = os.path.join(self.out, "val_generations")
             os.makedirs(d, exist_ok=True)
-            atomic_write(os.path.join(d, f"step_{self.step}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
+            write_text(os.path.join(d, f"step_{self.step}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
         return {f"val-core/{src}/reward/mean@{cfg.rollout.val_n}": float(np.mean(v)) for src, v in by_src.items()}
 
     # --- checkpoints
@@ -850,14 +864,14 @@ class Trainer:
         barrier()
         if self.rank == 0:
             meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": self.mcfg.raw}
-            atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+            write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
             for f in os.listdir(self.cfg.actor.model_path):
                 if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
                     shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
             _fsync_dir(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            atomic_write(os.path.join(root, "latest"), str(self.step))
+            write_text(os.path.join(root, "latest"), str(self.step))
             steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
             for s in steps[:-self.cfg.trainer.keep_last_k] if self.cfg.trainer.keep_last_k > 0 else []:
                 shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
@@ -906,11 +920,19 @@ class Trainer:
         cfg = self.cfg
         if self.rank == 0:
             os.makedirs(self.out, exist_ok=True)
-            atomic_write(os.path.join(self.out, "config.yaml"), yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+            write_text(os.path.join(self.out, "config.yaml"), yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         self.maybe_resume()
         logger = Logger(cfg, self.rank)
         stop = {"sigterm": False}
-        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
+        try:
+            self._loop(logger, stop)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            logger.close()
+
+    def _loop(self, logger, stop: dict) -> None:
+        cfg = self.cfg
         if self.val_data is not None and cfg.trainer.val_before_train and self.step == 0:
             logger.log(self.step, self.validate())
         from tqdm import tqdm
@@ -934,23 +956,21 @@ class Trainer:
             bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
                             len=f"{metrics.get('response_length/mean', 0):.0f}",
                             s=f"{metrics.get('timing_s/step', 0):.1f}")
-            sigterm = agree(stop["sigterm"])
-            if (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0) or \
-                    self.step == cfg.trainer.total_steps or sigterm:
-                if cfg.trainer.save_freq > 0 or sigterm:
-                    self.save_checkpoint()
+            sigterm = agree(stop["sigterm"], self.device)
+            sf = cfg.trainer.save_freq
+            if sigterm or (sf > 0 and (self.step % sf == 0 or self.step == cfg.trainer.total_steps)):
+                self.save_checkpoint()
             if sigterm:
                 print(f"[nanorl] SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
                 break
         bar.close()
-        logger.close()
 
 
-def agree(flag: bool) -> bool:
+def agree(flag: bool, device) -> bool:
     """True on every rank if it is true on any rank."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([float(flag)])
+    t = torch.tensor([float(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -965,20 +985,15 @@ def _as_list(x):
 
 
 def _fsync_dir(d: str) -> None:
-    for f in os.listdir(d):
-        p = os.path.join(d, f)
-        if os.path.isfile(p):
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
+    """Every file in d (all ranks' shards) reaches the disk before the rename publishes them."""
+    for f in [*(os.path.join(d, f) for f in os.listdir(d)), d]:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 
 
-def atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_text(path: str, text: str) -> None:
+    atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 class Logger:
