@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--micro-tokens", type=int, default=16384)
     ap.add_argument("--out", default="/tmp/nanorl_bench_step")
     ap.add_argument("--device", default="cuda", help="cpu: a functional check of this script only (fp32)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over the last step: top kernels")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", 0))
     data_dir = os.path.join(args.out, f"rank{rank}")  # one copy per rank: no start-up ordering to get wrong
@@ -106,7 +107,16 @@ def main() -> None:
     t.train_data.get_batch = get_batch
     rows = []
     for step in range(args.steps):
+        prof = None
+        if args.profile and step == args.steps - 1:
+            from torch.profiler import ProfilerActivity, profile
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         m = t.train_step()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if rank == 0:
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
         t.step += 1
         rows.append(m)
         if rank == 0:
