@@ -10,29 +10,27 @@ Every model in this family is the same pre-norm decoder:
         h = h + down_proj(silu(gate) * up)                  gate, up = gate_up_proj(rmsnorm(h))
     logits = lm_head(rmsnorm(h))
 
-The families differ only in small switches, all read from the HF `config.json`: a bias on
-q/k/v (Qwen2), an RMSNorm on each head of q and k (Qwen3), a head_dim that is not
-hidden/heads (Qwen3), grouped-query attention (fewer k/v heads than q heads, each k/v head
-shared by a group of q heads), the RoPE base and the Llama-3 frequency rescaling, and whether
-the LM head shares the embedding matrix (tied).
+The families differ only in small switches, all read from the HF `config.json`: a bias on q/k/v (Qwen2),
+an RMSNorm on each head of q and k (Qwen3), a head_dim that is not hidden/heads (Qwen3), grouped-query
+attention (fewer k/v heads than q heads, each k/v head shared by a group of q heads), the RoPE base and the
+Llama-3 frequency rescaling, and whether the LM head shares the embedding matrix (tied).
 
-RoPE rotates each (x_i, x_{i+d/2}) pair of a q or k head by the angle pos * theta^(-2i/d); the
-dot product q.k then depends only on the distance between the two positions. Llama 3 divides
-the low frequencies by `factor` and blends the middle band, to stretch the context.
+RoPE rotates each (x_i, x_{i+d/2}) pair of a q or k head by the angle pos * theta^(-2i/d); the dot product
+q.k then depends only on the distance between the two positions. Llama 3 divides the low frequencies by
+`factor` and blends the middle band, to stretch the context.
 
 Shapes and parallelism
 ----------------------
-Tokens travel *packed*: a batch of sequences is one [T] vector with `cu_seqlens` marking the
-boundaries and `position_ids` restarting at 0 for each sequence, so no compute is spent on
-padding. Attention is causal within each sequence and blind across them. Three backends give
-the same numbers: `flash_attn` when installed, PyTorch's `varlen_attn` on CUDA, and SDPA with
-a block-diagonal causal mask elsewhere (CPU).
+Tokens travel *packed*: a batch of sequences is one [T] vector with `cu_seqlens` marking the boundaries
+and `position_ids` restarting at 0 for each sequence, so no compute is spent on padding. Attention is
+causal within each sequence and blind across them. Three backends give the same numbers: `flash_attn`
+when installed, PyTorch's `varlen_attn` on CUDA, and SDPA with a block-diagonal causal mask elsewhere.
 
-With tensor parallelism a rank holds heads/tp of the heads and intermediate/tp of the MLP
-(see parallel.py); with pipeline parallelism it holds a contiguous slice of the layers, the
-embedding only on the first stage and the final norm and head only on the last. Generation
-uses two more paths against a static KV cache: `prefill` (packed prompts, writing their k/v)
-and `decode` (one token for each cache row, attending to the row's past).
+With tensor parallelism a rank holds heads/tp of the heads and intermediate/tp of the MLP (see
+parallel.py); with pipeline parallelism it holds a contiguous slice of the layers, the embedding only on
+the first stage and the final norm and head only on the last. Generation uses two more paths against a
+static KV cache: `prefill` (packed prompts, writing their k/v) and `decode` (one token for each cache row,
+attending to the row's past).
 """
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                       stage_layers)
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # ----------------------------------------------------------------------------- config
 
@@ -109,8 +106,7 @@ class ModelConfig:
                    architecture=arch, raw=c)
 
     def num_params(self, with_embedding: bool = True) -> int:
-        """Matrix parameters N of the model (norms and biases are negligible); MFU uses N without the
-        input embedding."""
+        """Matrix parameters N (norms and biases are negligible); MFU uses N without the input embedding."""
         d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         layer = attn + 3 * d * self.intermediate_size
@@ -131,8 +127,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 and cast back before the scale, as transformers does
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -159,15 +154,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------- attention backends
 
 
-def _flash_attn():
-    try:
-        from flash_attn import flash_attn_varlen_func
-        return flash_attn_varlen_func
-    except ImportError:
-        return None
-
-
-FLASH_ATTN = _flash_attn()
+try:
+    from flash_attn import flash_attn_varlen_func as FLASH_ATTN
+except ImportError:
+    FLASH_ATTN = None
 try:
     from torch.nn.attention.varlen import varlen_attn as TORCH_VARLEN
     _VARLEN_PARAMS = inspect.signature(TORCH_VARLEN).parameters
@@ -177,11 +167,9 @@ except ImportError:
 
 def attention_backend(device: torch.device, requested: str = "auto") -> str:
     """'flash' (flash_attn), 'varlen' (torch varlen_attn, CUDA) or 'sdpa'; 'auto' takes the first available."""
-    avail = ["sdpa"]
-    if device.type == "cuda" and TORCH_VARLEN is not None:
-        avail.insert(0, "varlen")
-    if device.type == "cuda" and FLASH_ATTN is not None:
-        avail.insert(0, "flash")
+    cuda = device.type == "cuda"
+    avail = [name for name, ok in (("flash", cuda and FLASH_ATTN is not None),
+                                   ("varlen", cuda and TORCH_VARLEN is not None), ("sdpa", True)) if ok]
     if requested == "auto":
         return avail[0]
     if requested not in avail:
@@ -198,12 +186,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
     if backend == "flash":
         return FLASH_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=True)
     if backend == "varlen":
-        gqa = {}
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in _VARLEN_PARAMS:
-                gqa = {"enable_gqa": True}
-            else:  # torch 2.11's varlen_attn wants as many k/v heads as q heads
-                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _VARLEN_PARAMS else {}
+        if q.shape[1] != k.shape[1] and not gqa:  # torch 2.11's varlen_attn wants as many k/v heads as q heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         return TORCH_VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0),
                             scale=scale, **gqa)
     # SDPA over the whole pack with a block-diagonal causal mask: O(T^2) memory, meant for CPU
@@ -212,18 +197,17 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
                                      (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=T)
     idx = torch.arange(T, device=q.device)
     mask = (seq_id[:, None] == seq_id[None, :]) & (idx[:, None] >= idx[None, :])
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, d]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)
 
 
 def decode_attention(q, k_cache, v_cache, lengths):
-    """One new query per cache row. q [B, H, d]; caches [B, Hkv, L, d]; row b attends to its first
-    lengths[b] positions. bf16/fp16 on CUDA with Triton: a split-K flash-decoding kernel that reads
-    only those positions. Elsewhere two batched matmuls over the whole row with a length mask (the
-    (row, kv head) batch folds into one strided bmm even for a prefix [:, :, :L] of longer rows).
-    Both are CUDA-graph friendly: static shapes, no host sync."""
+    """One new query per cache row. q [B, H, d]; caches [B, Hkv, L, d]; row b attends to its first lengths[b]
+    positions. bf16/fp16 on CUDA with Triton: a split-K flash-decoding kernel that reads only those positions.
+    Elsewhere two batched matmuls over the whole row with a length mask (the (row, kv head) batch folds into
+    one strided bmm even for a prefix [:, :, :L] of longer rows). Both are CUDA-graph friendly: static shapes,
+    no host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _flash_decode(q, k_cache, v_cache, lengths)
     B, H, d = q.shape
@@ -304,10 +288,8 @@ def _flash_decode(q, k_cache, v_cache, lengths, block: int = 64):
     mo, lo = (torch.empty(B, hkv, S, GP, dtype=torch.float32, device=q.device) for _ in range(2))
     ao = torch.empty(B, hkv, S, GP, DP, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _flash_decode_split[(B, hkv, S)](q, k_cache, v_cache, lengths, mo, lo, ao, d ** -0.5, split,
-                                     q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                     k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                                     G=G, D=d, GP=GP, DP=DP, BLOCK=block)
+    _flash_decode_split[(B, hkv, S)](q, k_cache, v_cache, lengths, mo, lo, ao, d ** -0.5, split, *q.stride()[:2],
+                                     *k_cache.stride()[:3], *v_cache.stride()[:3], G=G, D=d, GP=GP, DP=DP, BLOCK=block)
     _flash_decode_merge[(B, hkv)](mo, lo, ao, out, out.stride(0), out.stride(1), S=S,
                                   SP=triton.next_power_of_2(S), G=G, D=d, GP=GP, DP=DP)
     return out
@@ -317,11 +299,10 @@ def _flash_decode(q, k_cache, v_cache, lengths, block: int = 64):
 class AttnContext:
     """How the tokens of one forward are arranged and where (if anywhere) their k/v go.
 
-    train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token,
-    the cache row `slots` it belongs to (positions come from position_ids).  decode: `cache`,
-    one token per cache row 0..B-1 at position lengths-1 (position_ids), `lengths` = tokens in each
-    row after this one is written, and optionally max_seqlen >= max(lengths) to read only that
-    prefix of the rows (0: the whole row).
+    train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token, the cache row
+    `slots` it belongs to (positions come from position_ids).  decode: `cache`, one token per cache row
+    0..B-1 at position lengths-1 (position_ids), `lengths` = tokens in each row after this one is written,
+    and optionally max_seqlen >= max(lengths) to read only that prefix of the rows (0: the whole row).
     """
 
     cu_seqlens: torch.Tensor | None = None
@@ -340,14 +321,7 @@ class KVCache:
         shape = (num_layers, rows, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
+        self.rows, self.max_len = rows, max_len
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Share a prefilled prompt: copy the first `length` positions of rows src into rows dst."""
@@ -369,15 +343,13 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx  # index inside this stage (the KV cache's layer axis)
         self.h, self.hkv, self.hd, self.window = cfg.num_heads // tp, cfg.num_kv_heads // tp, hd, cfg.sliding_window
         parts = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(parts), cfg.attention_bias, layout, parts, dtype, device)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(parts), cfg.attention_bias, layout, parts, dtype,
+                                             device)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, False, layout, dtype, device)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device)
-            # shared across heads while each TP rank sees only its heads: the grads are partial sums
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        if cfg.qk_norm:  # shared across heads while each TP rank sees only its heads: the grads are partial sums
             self.q_norm.weight.tp_partial_grad = self.k_norm.weight.tp_partial_grad = True
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, ctx: AttnContext):
         T = x.shape[0]
@@ -386,17 +358,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        c = ctx.cache
-        if ctx.lengths is not None:  # decode: token b is the next token of cache row b
-            rows = torch.arange(T, device=x.device)
+        c, decode = ctx.cache, ctx.lengths is not None
+        if c is not None:  # decode: token b is the next token of cache row b; prefill: rows are `slots`
+            rows = torch.arange(T, device=x.device) if decode else ctx.slots
             c.k[self.layer_idx, rows, :, ctx.positions] = k
             c.v[self.layer_idx, rows, :, ctx.positions] = v
+        if decode:
             L = ctx.max_seqlen or c.max_len  # attend over the first L positions only (L >= every length)
             o = decode_attention(q, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths)
         else:
-            if c is not None:  # prefill: remember this prompt's k/v for the decode steps
-                c.k[self.layer_idx, ctx.slots, :, ctx.positions] = k
-                c.v[self.layer_idx, ctx.slots, :, ctx.positions] = v
             o = varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.backend, self.window)
         return self.o_proj(o.reshape(T, self.h * self.hd))
 
@@ -429,10 +399,9 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """One pipeline stage of the decoder, tensor-parallel over `layout.tp_group`.
 
-    forward() takes token ids on the first stage (hidden states [T, D] on the others) and returns
-    hidden states; on the last stage they are final-normed, and `logits()` / `values()` turn them
-    into vocab-parallel logits [T, V/tp] (fp32) or scalar values [T].
-    """
+    forward() takes token ids on the first stage (hidden states [T, D] on the others) and returns hidden
+    states; on the last stage they are final-normed, and `logits()` / `values()` turn them into
+    vocab-parallel logits [T, V/tp] (fp32) or scalar values [T]."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout | None = None, dtype=torch.float32, device=None,
                  value_head: bool = False, lm_head: bool = True):
@@ -442,16 +411,14 @@ class Transformer(nn.Module):
         self.layer_start, self.layer_end = stage_layers(cfg.num_layers, layout.pp, layout.pp_rank)
         kw = dict(dtype=dtype, device=device)
         first, last = layout.is_first_stage, layout.is_last_stage
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw) if first else None
+        embedding = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw)  # noqa: E731
+        self.embed_tokens = embedding() if first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, i, **kw)
                                     for i in range(self.layer_end - self.layer_start))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if last else None
         self.lm_head = None
-        if last and lm_head:
-            if cfg.tie_word_embeddings and first:
-                self.lm_head = self.embed_tokens  # the same Parameter: counted once, updated once
-            else:
-                self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw)
+        if last and lm_head:  # tied on one stage: the same Parameter, counted once, updated once
+            self.lm_head = self.embed_tokens if cfg.tie_word_embeddings and first else embedding()
         self.value_head = nn.Linear(cfg.hidden_size, 1, **kw) if (last and value_head) else None
         if self.value_head is not None:
             for p in self.value_head.parameters():
@@ -467,11 +434,9 @@ class Transformer(nn.Module):
         ctx.positions, ctx.backend = position_ids, self.attn_backend
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
+        ckpt = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, ctx)
+            x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False) if ckpt else layer(x, cos, sin, ctx)
         return self.norm(x) if self.norm is not None else x
 
     def packed(self, x, position_ids, cu_seqlens, max_seqlen: int) -> torch.Tensor:
@@ -504,32 +469,38 @@ class Transformer(nn.Module):
             return [name]  # critic-only: not in an HF causal-LM checkpoint
         return ["model." + name]
 
-    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
-        """Seeded random weights that do not depend on the layout: every full tensor is drawn from its
-        own generator, then sliced like a checkpoint would be."""
-        for name, p in self.named_parameters():
-            full = []
+    def _fill(self, params, full_tensor) -> None:
+        """Copy into each (name, p) of `params` this rank's slice of its HF tensor(s).
+        full_tensor(name, j, hf, shape) returns piece j (a tensor, or a lazy safetensors slice) in full."""
+        t, r = self.layout.tp, self.layout.tp_rank
+        for name, p in params:
+            pieces = []
             for j, hf in enumerate(self.hf_names(name)):
-                g = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, hf)) * 7919 + j)
                 shape = list(p.shape)
                 if p.tp_dim is not None:
                     shape[p.tp_dim] = p.tp_parts[j]
-                full.append(torch.randn(shape, generator=g) * std if p.dim() > 1 else
-                            (torch.ones(shape) if "norm" in hf else torch.zeros(shape)))
+                full = full_tensor(name, j, hf, shape)
+                if p.tp_dim is None:
+                    pieces.append(full[:])
+                else:
+                    n = shape[p.tp_dim] // t
+                    pieces.append(full[(slice(None),) * p.tp_dim + (slice(r * n, (r + 1) * n),)])
             with torch.no_grad():
-                p.copy_(self._local_slice(p, full))
+                p.copy_(torch.cat(pieces, dim=p.tp_dim or 0))
 
-    def _local_slice(self, p, full: list[torch.Tensor]) -> torch.Tensor:
-        if p.tp_dim is None:
-            return full[0]
-        t, r = self.layout.tp, self.layout.tp_rank
-        return torch.cat([f.narrow(p.tp_dim, r * f.shape[p.tp_dim] // t, f.shape[p.tp_dim] // t) for f in full],
-                         dim=p.tp_dim)
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Seeded random weights that do not depend on the layout: every full tensor is drawn from its
+        own generator, then sliced like a checkpoint would be."""
+        def draw(name, j, hf, shape):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, hf)) * 7919 + j)
+            if len(shape) > 1:
+                return torch.randn(shape, generator=g) * std
+            return torch.ones(shape) if "norm" in hf else torch.zeros(shape)
+        self._fill(self.named_parameters(), draw)
 
     def load_hf(self, path: str) -> None:
         """Read this rank's slices straight from the safetensors files (never the whole model)."""
         from safetensors import safe_open
-
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:
@@ -539,37 +510,19 @@ class Transformer(nn.Module):
             if not files:
                 raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights "
                                         "(nor model.safetensors.index.json)")
-            where = {}
-            for fn in files:
-                with safe_open(fn, "pt") as f:
-                    where.update({k: fn for k in f.keys()})
-        handles: dict[str, object] = {}
-        t, r = self.layout.tp, self.layout.tp_rank
-        for name, p in self.named_parameters():
-            names = self.hf_names(name)
-            if name.startswith("value_head."):
-                continue  # a fresh critic head; train.py initialises it
-            pieces = []
-            for j, hf in enumerate(names):
-                if hf not in where:
-                    raise KeyError(f"{path}: tensor {hf!r} (for {name}) is not in the checkpoint")
-                fn = where[hf]
-                if fn not in handles:
-                    handles[fn] = safe_open(fn, "pt")
-                sl = handles[fn].get_slice(hf)
-                shape = list(sl.get_shape())
-                want = list(p.shape)
-                if p.tp_dim is not None:
-                    want[p.tp_dim] = p.tp_parts[j]
-                if shape != want:
-                    raise ValueError(f"{fn}: tensor {hf!r} has shape {shape}, expected {want} from config.json")
-                if p.tp_dim is None:
-                    pieces.append(sl[:])
-                else:
-                    n = shape[p.tp_dim] // t
-                    pieces.append(sl[r * n:(r + 1) * n] if p.tp_dim == 0 else sl[:, r * n:(r + 1) * n])
-            with torch.no_grad():
-                p.copy_(torch.cat(pieces, dim=p.tp_dim or 0))
+            where = {k: fn for fn in files for k in safe_open(fn, "pt").keys()}
+        handles = {fn: safe_open(fn, "pt") for fn in sorted(set(where.values()))}
+
+        def read(name, j, hf, want):
+            if hf not in where:
+                raise KeyError(f"{path}: tensor {hf!r} (for {name}) is not in the checkpoint")
+            sl = handles[where[hf]].get_slice(hf)
+            if list(sl.get_shape()) != want:
+                raise ValueError(f"{where[hf]}: tensor {hf!r} has shape {sl.get_shape()}, expected {want} "
+                                 "from config.json")
+            return sl
+        # a value head is a fresh critic head, not in the checkpoint; train.py initialises it
+        self._fill([(n, p) for n, p in self.named_parameters() if not n.startswith("value_head.")], read)
 
 
 def load_model(path: str, layout: Layout | None = None, dtype=torch.float32, device=None, random_init: bool = False,
@@ -577,10 +530,7 @@ def load_model(path: str, layout: Layout | None = None, dtype=torch.float32, dev
     """Build this rank's stage of the model in `path` and fill it (checkpoint weights, or seeded random)."""
     cfg = ModelConfig.from_dir(path)
     model = Transformer(cfg, layout, dtype=dtype, device=device, value_head=value_head, lm_head=lm_head)
-    if random_init:
-        model.init_random(seed)
-    else:
-        model.load_hf(path)
+    model.init_random(seed) if random_init else model.load_hf(path)
     if model.value_head is not None:
         with torch.no_grad():  # small init so the critic starts near zero
             g = torch.Generator().manual_seed(seed + 17)

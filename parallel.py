@@ -6,9 +6,8 @@ W processes are arranged as a 3-D grid  dp x pp x tp  with TP varying fastest:
 
     rank = (dp_rank * pp + pp_rank) * tp + tp_rank
 
-so the tp ranks of one TP group are consecutive (inside one node, on the fastest links),
-the pp stages of one model replica are tp apart, and the dp replicas are tp*pp apart.
-Example, W=8, tp=2, pp=2, dp=2:
+so the ranks of one TP group are consecutive (inside one node, on the fastest links), the pp stages of
+one model replica are tp apart, and the dp replicas are tp*pp apart. Example, W=8, tp=2, pp=2, dp=2:
 
     dp 0:  stage 0 = ranks [0 1]   stage 1 = ranks [2 3]
     dp 1:  stage 0 = ranks [4 5]   stage 1 = ranks [6 7]
@@ -16,53 +15,51 @@ Example, W=8, tp=2, pp=2, dp=2:
 
 Tensor parallelism (Megatron-LM)
 --------------------------------
-A linear layer Y = X A^T is split two ways. Column-parallel: rank r holds rows r of A (a slice
-of the output features); every rank needs all of X and produces its slice of Y. Row-parallel:
-rank r holds a slice of the input features and produces a partial sum of Y that one all-reduce
-completes. An MLP is column-then-row (one all-reduce in forward), attention is q/k/v column
-(whole heads per rank) then the output projection row (one all-reduce). The autograd rules are
-the mirror images: the identity `f` in front of a column layer all-reduces gradients in backward,
-the all-reduce `g` after a row layer is the identity in backward. The embedding and the LM head
-are split over the vocabulary; the softmax over a split vocabulary is computed with two small
-all-reduces (max and sum-exp), never gathering the logits.
+A linear layer Y = X A^T is split two ways. Column-parallel: rank r holds rows r of A (a slice of the
+output features); every rank needs all of X and produces its slice of Y. Row-parallel: rank r holds a
+slice of the input features and produces a partial sum of Y that one all-reduce completes. An MLP is
+column-then-row (one all-reduce in forward), attention is q/k/v column (whole heads per rank) then the
+output projection row (one all-reduce). The autograd rules are mirror images: the identity `f` in front of
+a column layer all-reduces gradients in backward, the all-reduce `g` after a row layer is the identity in
+backward. The embedding and the LM head are split over the vocabulary; the softmax over a split
+vocabulary takes two small all-reduces (max and sum-exp), never gathering the logits.
 
-Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when
-replicated) and `tp_parts` (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a
-fused qkv projection: each piece is split separately on head boundaries and the local shard is
-the concatenation of the local pieces). Loading, resharding and export all follow this one rule.
+Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated)
+and `tp_parts` (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv projection:
+each piece is split separately on head boundaries and the local shard is the concatenation of the local
+pieces). Loading, resharding and export all follow this one rule.
 
 Log-probs over a split vocabulary
 ---------------------------------
-With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only
-three all-reduces of one number per token: the max (for stability), the sum of exp(z - max), and
-z_t itself (the rank that owns token t contributes it, the others zero). The entropy
-H = logsumexp(z) - sum_j p_j z_j adds one more. The backward is local too:
-d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]).
+With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only three
+all-reduces of one number per token: the max (for stability), the sum of exp(z - max), and z_t itself
+(the rank that owns token t contributes it, the others zero). The entropy H = logsumexp(z) - sum_j p_j z_j
+adds one more. The backward is local too: d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]).
 
 Pipeline parallelism: the 1F1B schedule
 ---------------------------------------
-Stage s holds layers [start_s, end_s). A batch is cut into m micro-batches; activations flow
-s -> s+1, their gradients s+1 -> s. Stage s first runs pp-s-1 forwards (warmup), then alternates
-one forward and one backward (steady state), then drains the remaining backwards (cooldown):
+Stage s holds layers [start_s, end_s). A batch is cut into m micro-batches; activations flow s -> s+1,
+their gradients s+1 -> s. Stage s first runs pp-s-1 forwards (warmup), then alternates one forward and
+one backward (steady state), then drains the remaining backwards (cooldown):
 
     stage 0:  F0 F1 F2 F3 B0 F4 B1 F5 B2 .. B5          (pp = 4, m = 6)
     stage 3:           F0 B0 F1 B1 F2 B2 .. B5
 
-so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m
-of the step. Each exchange posts its sends and receives together (one batch of P2P ops), which
-pairs the two sides' messages and cannot deadlock.
+so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m of the
+step. Each exchange posts its sends and receives together (one batch of P2P ops), which pairs the two
+sides' messages and cannot deadlock.
 
 Data parallelism and ZeRO-1
 ---------------------------
-DP replicas see different micro-batches; their gradients are summed (the loss is already
-normalised by the global token count). All parameters of a rank live, for the optimizer, in one
-flat fp32 buffer cut into dp equal shards: ZeRO-1 keeps the fp32 master weights and both Adam
-moments of one shard per DP rank (1/dp of the optimizer state), reduce-scatters the gradients
-so that each rank receives the summed gradient of its shard, updates it, and all-gathers the
-updated shards back into every replica's compute weights.
+DP replicas see different micro-batches; their gradients are summed (the loss is already normalised by
+the global token count). All parameters of a rank live, for the optimizer, in one flat fp32 buffer cut
+into dp equal shards: ZeRO-1 keeps the fp32 master weights and both Adam moments of one shard per DP rank
+(1/dp of the optimizer state), reduce-scatters the gradients so that each rank receives the summed
+gradient of its shard, updates it, and all-gathers the updated shards back into every replica's weights.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -76,11 +73,9 @@ from torch import nn
 
 @dataclass
 class Layout:
-    """This rank's place in a dp x pp x tp grid and the process groups it belongs to.
-
-    Groups are None when their size is 1 (or when running in a single process); every
-    collective helper treats None as a no-op. `*_ranks` are the global ranks of each group.
-    """
+    """This rank's place in a dp x pp x tp grid and the process groups it belongs to. Groups are None when
+    their size is 1 (or in a single process), and every collective helper treats None as a no-op.
+    `*_ranks` are the global ranks of each group."""
 
     tp: int = 1
     pp: int = 1
@@ -111,13 +106,8 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
-def grid_rank(dp_rank: int, pp_rank: int, tp_rank: int, pp: int, tp: int) -> int:
-    return (dp_rank * pp + pp_rank) * tp + tp_rank
-
-
 def _new_group(ranks: list[int]):
-    # dist.new_group is collective over the whole world: every rank must call it for every
-    # group, in the same order, even for groups it is not in.
+    # collective over the whole world: every rank creates every group, in the same order, even those it is not in
     return dist.new_group(ranks) if len(ranks) > 1 else None
 
 
@@ -128,42 +118,31 @@ def make_layout(tp: int = 1, pp: int = 1) -> Layout:
     if tp < 1 or pp < 1 or world % (tp * pp) != 0:
         raise ValueError(f"parallel.train: world size {world} is not divisible by tp*pp = {tp}*{pp}; "
                          f"valid (tp, pp) have tp*pp dividing {world}")
-    dp = world // (tp * pp)
-    dp_rank, rem = divmod(rank, tp * pp)
-    pp_rank, tp_rank = divmod(rem, tp)
-    lay = Layout(tp=tp, pp=pp, dp=dp, rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    coords = [(r // (tp * pp), r // tp % pp, r % tp) for r in range(world)]  # (dp, pp, tp) rank of each rank
+    dp_rank, pp_rank, tp_rank = coords[rank]
+    lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
     if world == 1:
         return lay
-    for d in range(dp):
-        for p in range(pp):
-            ranks = [grid_rank(d, p, t, pp, tp) for t in range(tp)]
+    for axis, kind in ((2, "tp"), (1, "pp"), (0, "dp")):
+        groups = {}  # the ranks that differ only along `axis`, keyed by their other two coordinates
+        for r, c in enumerate(coords):
+            groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+        for ranks in groups.values():
             g = _new_group(ranks)
             if rank in ranks:
-                lay.tp_group, lay.tp_ranks = g, ranks
-    for d in range(dp):
-        for t in range(tp):
-            ranks = [grid_rank(d, p, t, pp, tp) for p in range(pp)]
-            g = _new_group(ranks)
-            if rank in ranks:
-                lay.pp_group, lay.pp_ranks = g, ranks
-            ends = sorted({ranks[0], ranks[-1]})
-            g = _new_group(ends)
-            if rank in ends:
-                lay.embed_group = g
-    for p in range(pp):
-        for t in range(tp):
-            ranks = [grid_rank(d, p, t, pp, tp) for d in range(dp)]
-            g = _new_group(ranks)
-            if rank in ranks:
-                lay.dp_group, lay.dp_ranks = g, ranks
+                setattr(lay, f"{kind}_group", g)
+                setattr(lay, f"{kind}_ranks", ranks)
+            if kind == "pp":  # the first and last stage of a replica share tied embeddings
+                ends = sorted({ranks[0], ranks[-1]})
+                g = _new_group(ends)
+                if rank in ends:
+                    lay.embed_group = g
     return lay
 
 
 def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model") -> None:
-    """Check a (tp, pp) layout against a model config before anything is built.
-
-    `cfg` is a model.ModelConfig. Errors name the model, the counts and the valid choices.
-    """
+    """Check a (tp, pp) layout against a model config (model.ModelConfig) before anything is built.
+    Errors name the model, the counts and the valid choices."""
     if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
     need = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -179,18 +158,13 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
-    """[start, end) of the layers held by one pipeline stage: an even split, earlier stages
-    taking the remainder."""
+    """[start, end) of the layers held by one pipeline stage: an even split, earlier stages taking the rest."""
     base, extra = divmod(num_layers, pp)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
 # ----------------------------------------------------------------------------- TP collectives
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -236,7 +210,7 @@ def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every TP rank's x along the last dim (no autograd; generation and tests)."""
     if group is None:
         return x
-    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
@@ -244,22 +218,16 @@ def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 # ----------------------------------------------------------------------------- TP layers
 
 
-def shard_range(full: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    n = full // tp
-    return tp_rank * n, (tp_rank + 1) * n
-
-
-def _mark(p: nn.Parameter, tp_dim, parts) -> nn.Parameter:
+def _param(shape: tuple, tp_dim, parts, dtype, device, init=torch.empty) -> nn.Parameter:
+    """A new parameter carrying its shard description (tp_dim, tp_parts; see the module docstring)."""
+    p = nn.Parameter(init(shape, dtype=dtype, device=device))
     p.tp_dim, p.tp_parts = tp_dim, parts
     return p
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., local outputs] = x W_local^T + b_local; W is split along its output rows.
-
-    `parts` lists the full output sizes of fused pieces (e.g. [q, k, v]); each piece is split
-    over tp separately, so a rank's rows are [q_r; k_r; v_r].
-    """
+    """y[..., local outputs] = x W_local^T + b_local; W is split along its output rows. `parts` lists the
+    full output sizes of fused pieces (e.g. [q, k, v]); each is split over tp separately: rows [q_r; k_r; v_r]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: Layout,
                  parts: list[int] | None = None, dtype=None, device=None):
@@ -267,10 +235,8 @@ class ColumnParallelLinear(nn.Module):
         parts = parts or [out_features]
         assert sum(parts) == out_features and all(n % layout.tp == 0 for n in parts)
         self.group = layout.tp_group
-        self.weight = _mark(nn.Parameter(torch.empty(out_features // layout.tp, in_features, dtype=dtype,
-                                                     device=device)), 0, parts)
-        self.bias = _mark(nn.Parameter(torch.zeros(out_features // layout.tp, dtype=dtype, device=device)),
-                          0, parts) if bias else None
+        self.weight = _param((out_features // layout.tp, in_features), 0, parts, dtype, device)
+        self.bias = _param((out_features // layout.tp,), 0, parts, dtype, device, torch.zeros) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
@@ -279,15 +245,12 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x[..., inputs_r] W_r^T (+ b once, after the reduction)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, layout: Layout, dtype=None,
-                 device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, layout: Layout, dtype=None, device=None):
         super().__init__()
         assert in_features % layout.tp == 0
         self.group = layout.tp_group
-        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // layout.tp, dtype=dtype,
-                                                     device=device)), 1, [in_features])
-        self.bias = _mark(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)), None,
-                          None) if bias else None
+        self.weight = _param((out_features, in_features // layout.tp), 1, [in_features], dtype, device)
+        self.bias = _param((out_features,), None, None, dtype, device, torch.zeros) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
@@ -295,15 +258,14 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r*V/tp, (r+1)*V/tp) of the table; ids outside give zeros, and one
-    all-reduce assembles the embedding."""
+    """Rank r holds rows [r*V/tp, (r+1)*V/tp) of the table; ids outside give zeros, and one all-reduce
+    assembles the embedding."""
 
     def __init__(self, vocab_size: int, dim: int, layout: Layout, dtype=None, device=None):
         super().__init__()
-        self.group = layout.tp_group
-        self.start, self.end = shard_range(vocab_size, layout.tp, layout.tp_rank)
-        self.weight = _mark(nn.Parameter(torch.empty(self.end - self.start, dim, dtype=dtype, device=device)),
-                            0, [vocab_size])
+        self.group, n = layout.tp_group, vocab_size // layout.tp
+        self.start, self.end = layout.tp_rank * n, (layout.tp_rank + 1) * n
+        self.weight = _param((n, dim), 0, [vocab_size], dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -315,10 +277,6 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------- vocab-parallel log-probs
-
-
-def _group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
@@ -335,7 +293,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         sum_exp = all_reduce(p.sum(-1), group)
         lse = sum_exp.log()
         n = z.shape[-1]
-        local = targets - _group_rank(group) * n
+        local = targets - (0 if group is None else dist.get_rank(group)) * n
         own = (local >= 0) & (local < n)
         local = local.clamp(0, n - 1)
         z_t = all_reduce(z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~own, 0.0), group)
@@ -367,14 +325,12 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group, temperature: float = 1.0,
                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities of `targets` [T] (global ids) under softmax(logits / temperature), and the
-    entropy of that distribution when asked; `logits` is this rank's vocabulary slice [T, V/tp].
+    """Log-probabilities of `targets` [T] (global ids) under softmax(logits / temperature), and the entropy
+    of that distribution when asked; `logits` is this rank's vocabulary slice [T, V/tp].
 
-    Memory: the forward keeps p (and z = logits/temperature for the entropy) for the backward,
-    which reuses them in place: one [T, V/tp] fp32 copy (two with the entropy) per call lives
-    until the backward. To bound it, split long packs into smaller micro-batches. The backward
-    may run only once (no retain_graph double pass).
-    """
+    Memory: the forward keeps p (and z = logits/temperature for the entropy) for the backward, which reuses
+    them in place: one [T, V/tp] fp32 copy (two with the entropy) per call lives until the backward. To
+    bound it, split long packs into smaller micro-batches. The backward may run only once."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
@@ -417,64 +373,48 @@ _WARM_GROUPS: set = set()
 
 
 def _p2p(layout: Layout, recv_buffer, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
-    """Post this stage's sends and receives as one batch and wait for all of them.
-
-    recv_prev / recv_next name the micro-batch whose activation / gradient is expected; its shape
-    [tokens, hidden] is known from the micro-batch itself (every rank of a PP group has the same
-    list), so no shape message is needed.
-    """
-    first, last = layout.is_first_stage, layout.is_last_stage
-    prev_rank = None if first else layout.pp_ranks[layout.pp_rank - 1]
-    next_rank = None if last else layout.pp_ranks[layout.pp_rank + 1]
-    ops, got_prev, got_next = [], None, None
-    if send_next is not None and not last:
-        ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), next_rank, layout.pp_group))
-    if send_prev is not None and not first:
-        ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), prev_rank, layout.pp_group))
-    if recv_prev is not None and not first:
-        got_prev = recv_buffer(recv_prev)
-        ops.append(dist.P2POp(dist.irecv, got_prev, prev_rank, layout.pp_group))
-    if recv_next is not None and not last:
-        got_next = recv_buffer(recv_next)
-        ops.append(dist.P2POp(dist.irecv, got_next, next_rank, layout.pp_group))
+    """Post this stage's sends and receives as one batch and wait for all of them. recv_prev / recv_next
+    name the micro-batch whose activation / gradient is expected; its shape [tokens, hidden] is known from
+    the micro-batch itself (every rank of a PP group has the same list), so no shape message is needed."""
+    ops, got = [], [None, None]  # received from the previous, the next stage
+    for i, (peer, send, recv) in enumerate(((layout.pp_rank - 1, send_prev, recv_prev),
+                                            (layout.pp_rank + 1, send_next, recv_next))):
+        if not 0 <= peer < layout.pp:
+            continue
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), layout.pp_ranks[peer], layout.pp_group))
+        if recv is not None:
+            got[i] = recv_buffer(recv)
+            ops.append(dist.P2POp(dist.irecv, got[i], layout.pp_ranks[peer], layout.pp_group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    return got_prev, got_next
+    return got[0], got[1]
 
 
 def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], loss_fn,
                               forward_only: bool = False) -> list[dict]:
     """Run every micro-batch forward (and backward) through the pipeline with the 1F1B schedule.
 
-    Each micro-batch is a packed dict (input_ids, position_ids, cu_seqlens, max_seqlen, plus what
-    loss_fn needs); all ranks of a PP group pass the same list. `loss_fn(model, hidden, mb) ->
-    (loss, outputs)` runs on the last stage; gradients accumulate as usual (into the optimizer's
-    buffers). Returns the detached `outputs` of each micro-batch on the last stage and empty dicts
-    elsewhere. Empty micro-batches skip the model; the last stage still calls loss_fn on an empty
-    hidden (without grad) so every micro-batch has its outputs.
+    Each micro-batch is a packed dict (input_ids, position_ids, cu_seqlens, max_seqlen, plus what loss_fn
+    needs); all ranks of a PP group pass the same list. `loss_fn(model, hidden, mb) -> (loss, outputs)`
+    runs on the last stage; gradients accumulate as usual (into the optimizer's buffers). Returns the
+    detached `outputs` of each micro-batch on the last stage and empty dicts elsewhere. Empty micro-batches
+    skip the model; the last stage still calls loss_fn on an empty hidden (without grad) for their outputs.
     """
     work = [i for i, mb in enumerate(micro_batches) if _tokens(mb) > 0]
     mbs = [micro_batches[i] for i in work]
     outputs: list[dict] = [{} for _ in micro_batches]
     param = next(model.parameters())
-    if layout.pp == 1:
-        for i, mb in zip(work, mbs):
-            with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
-                loss, outputs[i] = _forward_step(model, layout, mb, None, loss_fn)
-            if not forward_only:
-                loss.backward()
-    else:
-        if layout.pp_group not in _WARM_GROUPS:  # NCCL wants the whole group in its first collective
-            all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
-            _WARM_GROUPS.add(layout.pp_group)
+    if layout.pp_group not in _WARM_GROUPS:  # NCCL wants the whole group in its first collective
+        all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
+        _WARM_GROUPS.add(layout.pp_group)
 
-        def recv_buffer(mb):
-            return torch.empty(_tokens(mb), model.cfg.hidden_size, dtype=param.dtype, device=param.device)
+    def recv_buffer(mb):
+        return torch.empty(_tokens(mb), model.cfg.hidden_size, dtype=param.dtype, device=param.device)
 
-        got = _1f1b(model, layout, mbs, loss_fn, forward_only, recv_buffer)
-        for i, out in zip(work, got):
-            outputs[i] = out
+    for i, out in zip(work, _1f1b(model, layout, mbs, loss_fn, forward_only, recv_buffer)):
+        outputs[i] = out
     if layout.is_last_stage:  # empty micro-batches: loss_fn on an empty hidden gives their outputs
         with torch.no_grad():
             for i, mb in enumerate(micro_batches):
@@ -484,25 +424,21 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
 
 
 def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, recv_buffer) -> list[dict]:
+    """One stage's schedule. pp = 1 has no warmup and no messages (F0 B0 F1 B1 ...); forward_only runs every
+    forward as warmup, without grad, so activations only flow downstream."""
     n = len(mbs)
     outputs: list[dict] = [{} for _ in mbs]
-    if forward_only:  # all forwards in order; activations only flow downstream
-        with torch.no_grad():
-            for k in range(n):
-                x, _ = _p2p(layout, recv_buffer, recv_prev=mbs[k])
-                y, out = _forward_step(model, layout, mbs[k], x, loss_fn)
-                outputs[k] = out or {}
-                _p2p(layout, recv_buffer, send_next=y)
-        return outputs
-    warmup = min(layout.pp - layout.pp_rank - 1, n)
+    warmup = n if forward_only else min(layout.pp - layout.pp_rank - 1, n)
     inflight: list[tuple] = []  # (input, output) of micro-batches whose backward is pending, oldest first
 
     def forward(k, x):
-        if x is not None:
-            x.requires_grad_()
-        y, out = _forward_step(model, layout, mbs[k], x, loss_fn)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
+            if x is not None and not forward_only:
+                x.requires_grad_()
+            y, out = _forward_step(model, layout, mbs[k], x, loss_fn)
         outputs[k] = out or {}
-        inflight.append((x, y))
+        if not forward_only:
+            inflight.append((x, y))
         return y
 
     for k in range(warmup):
@@ -515,7 +451,7 @@ def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, r
         dx = _backward_step(*inflight.pop(0), dy)
         last = warmup + j + 1 == n
         x, _ = _p2p(layout, recv_buffer, send_prev=dx, recv_prev=None if last else mbs[warmup + j + 1])
-    for j in range(n - warmup, n):  # cooldown
+    for j in range(n - len(inflight), n):  # cooldown: the backwards still pending
         _, dy = _p2p(layout, recv_buffer, recv_next=mbs[j])
         _p2p(layout, recv_buffer, send_prev=_backward_step(*inflight.pop(0), dy))
     return outputs
@@ -547,19 +483,14 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _is_nccl(group) -> bool:
-    return dist.get_backend(group) == "nccl"
-
-
 class ShardedAdamW:
     """AdamW with fp32 master weights and moments sharded over the DP group (ZeRO-1).
 
-    The flat buffer orders this rank's parameters by kind (see _kind), so that each property the
-    optimizer needs (weight decay or not, how the parameter counts in the grad norm, whether its
-    gradient is a TP partial sum) covers a few contiguous runs instead of a per-element mask.
-    Gradients accumulate into a full fp32 buffer through post-accumulate hooks (p.grad is freed
-    at once), so micro-batch accumulation of bf16 grads loses nothing. Weight decay is decoupled
-    and, as is common practice, skipped for 1-D parameters (norm weights, biases).
+    The flat buffer orders this rank's parameters by kind (see _kind), so that each property the optimizer
+    needs (weight decay or not, how the parameter counts in the grad norm, whether its gradient is a TP
+    partial sum) covers a few contiguous runs instead of a per-element mask. Gradients accumulate into a
+    full fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation
+    of bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases).
     """
 
     def __init__(self, model: nn.Module, layout: Layout, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
@@ -570,8 +501,8 @@ class ShardedAdamW:
         if len({p.dtype for _, p in named}) != 1:
             raise ValueError(f"ShardedAdamW needs one compute dtype, got {sorted({str(p.dtype) for _, p in named})}")
         dev = named[0][1].device
-        # pp > 1 with tied embeddings: the first stage's embed_tokens and the last stage's lm_head are
-        # copies kept equal by summing their grads; the last stage's copy is left out of the norm.
+        # pp > 1 with tied embeddings: the first stage's embed_tokens and the last stage's lm_head are copies
+        # kept equal by summing their grads; the last stage's copy is left out of the norm.
         self.tied = None
         if layout.embed_group is not None and getattr(model.cfg, "tie_word_embeddings", False):
             mine = model.embed_tokens if layout.is_first_stage else model.lm_head
@@ -582,13 +513,11 @@ class ShardedAdamW:
         # flat order: the tied copy, replicated, sharded, then TP-partial last (one contiguous all-reduce)
         named.sort(key=lambda item: self._kind(item[1])[::-1])
         self.params = [p for _, p in named]
-        self.index, off = [], 0  # (name, offset, shape): where each parameter lives in the flat buffer
-        for name, p in named:
-            self.index.append((name, off, tuple(p.shape)))
-            off += p.numel()
-        self.numel = off
-        dp = layout.dp
-        size = -(-off // dp)
+        offsets = [0, *itertools.accumulate(p.numel() for _, p in named)]
+        # (name, offset, shape): where each parameter lives in the flat buffer
+        self.index = [(name, o, tuple(p.shape)) for (name, p), o in zip(named, offsets)]
+        self.numel, dp = offsets[-1], layout.dp
+        size = -(-self.numel // dp)
         self.shard = (layout.dp_rank * size, (layout.dp_rank + 1) * size)
         self.grad_buffer = torch.zeros(size * dp, dtype=torch.float32, device=dev)
         self.views = [self.grad_buffer[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
@@ -596,13 +525,11 @@ class ShardedAdamW:
             torch._foreach_copy_(self.views, self.params)
             self.master = self.grad_buffer[self.shard[0]:self.shard[1]].clone()
             self.grad_buffer.zero_()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.segments = self._segments()
         self.tied_grad = next((v for p, v in zip(self.params, self.views) if p is self.tied), None)
-        kinds = [self._kind(p) for p in self.params]
-        partial = [i for i, k in enumerate(kinds) if k[2]]
-        self.partial = (self.index[partial[0]][1], self.numel) if partial and layout.tp_group is not None else None
+        start = next((o for (_, o, _), p in zip(self.index, self.params) if self._kind(p)[2]), None)
+        self.partial = (start, self.numel) if start is not None and layout.tp_group is not None else None
         for h in getattr(model, "_sharded_adamw_hooks", []):  # a new optimizer of this model replaces the old
             h.remove()
         model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(self._hook(v))
@@ -651,20 +578,19 @@ class ShardedAdamW:
         if self.tied is not None:
             all_reduce(self.tied_grad, lay.embed_group)
         if lay.dp_group is not None:
-            if _is_nccl(lay.dp_group):  # in place: rank r's output is its own slice of the input
+            if dist.get_backend(lay.dp_group) == "nccl":  # in place: rank r's output is its own slice of the input
                 _reduce_scatter_flat(self.grad_shard(), buf, group=lay.dp_group)
             else:
                 all_reduce(buf, lay.dp_group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale the gradient shard so that the global L2 norm is at most max_norm; returns the norm
-        before clipping (non-finite norms are returned as they are and nothing is scaled; the caller
-        should skip the step). max_norm <= 0 only measures.
+        """Scale the gradient shard so that the global L2 norm is at most max_norm; returns the norm before
+        clipping (a non-finite norm is returned as it is and nothing is scaled; the caller should skip the
+        step). max_norm <= 0 only measures.
 
-        Every element counts once over the whole grid: DP shards are disjoint, PP stages hold
-        different layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count
-        1/tp on each of the tp ranks holding them; so one all-reduce over the world sums it all.
-        """
+        Every element counts once over the whole grid: DP shards are disjoint, PP stages hold different
+        layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count 1/tp on each of the
+        tp ranks holding them; so one all-reduce over the world sums it all."""
         g = self.grad_shard()
         sq = torch.zeros((), dtype=torch.float32, device=g.device)
         for a, b, _, w in self.segments:
@@ -704,7 +630,7 @@ class ShardedAdamW:
         mine = self.master.to(dtype)
         if lay.dp_group is None:
             full.copy_(mine)
-        elif _is_nccl(lay.dp_group):
+        elif dist.get_backend(lay.dp_group) == "nccl":
             _all_gather_flat(full, mine, group=lay.dp_group)
         else:
             dist.all_gather(list(full.chunk(lay.dp)), mine, group=lay.dp_group)
@@ -721,8 +647,7 @@ class ShardedAdamW:
                 "exp_avg_sq": self.exp_avg_sq, "shard": self.shard, "index": self.index}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a shard saved by the same layout; the master weights are the truth and are
-        published into the compute parameters."""
+        """Restore a shard saved by the same layout; the master weights, the truth, are published."""
         if state["index"] != self.index or tuple(state["shard"]) != self.shard:
             raise ValueError(f"optimizer state does not fit: saved for shard {tuple(state['shard'])} of "
                              f"{len(state['index'])} parameters, this rank has shard {self.shard} of "
@@ -753,13 +678,12 @@ def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int = 0, schedul
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's local shards under our parameter names (layer indices are local to the stage:
-    global index = model.layer_start + i)."""
+    """This rank's local shards under our parameter names (layer i of the stage is model.layer_start + i)."""
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def shard_name(layout: Layout, with_dp: bool = False) -> str:
-    """File stem of a rank's shard: 'pp{p}_tp{t}' for model weights (identical over DP), with a
-    'dp{d}_' prefix for optimizer state, which differs per DP rank."""
+    """File stem of a rank's shard: 'pp{p}_tp{t}' for model weights (identical over DP), with a 'dp{d}_'
+    prefix for optimizer state, which differs per DP rank."""
     stem = f"pp{layout.pp_rank}_tp{layout.tp_rank}"
     return f"dp{layout.dp_rank}_{stem}" if with_dp else stem

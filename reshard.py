@@ -2,43 +2,37 @@
 
 Why two layouts
 ---------------
-Training wants tensor and pipeline parallelism (tp x pp) to fit activations and optimizer state;
-decoding is memory-bound and wants the smallest TP that fits and no pipeline, so that there are
-many independent replicas. The generation layout is (tp_g, pp = 1, dp_g = W / tp_g) over the same
-W ranks; between the two, the actor's weights are resharded in place (HybridFlow's 3D-HybridEngine).
+Training wants tensor and pipeline parallelism (tp x pp) to fit activations and optimizer state; decoding
+is memory-bound and wants the smallest TP that fits and no pipeline, for many independent replicas. The
+generation layout is (tp_g, pp = 1, dp_g = W / tp_g) over the same W ranks; the actor's weights are
+resharded in place between the two (HybridFlow's 3D-HybridEngine).
 
 The grouping rule
 -----------------
-Choose the generation groups so that every rank's training shard is a part of its generation
-shard. With k = tp / tp_g, generation TP slice g is the union of training TP slices g*k .. g*k+k-1
-of every layer. The m = k * pp ranks of one training replica that hold those slices (k neighbouring
-TP ranks, all stages) form a *micro-DP group*: they all end up with the same generation shard, so
-one all-gather inside the group builds it, all groups gather concurrently, and nobody receives
-anything it does not keep. A rank's generation TP group is its stage's ranks with the same t % k;
-its generation TP rank is t // k. W=8, tp=4, pp=1, dp=2, tp_g=2:
+Every rank's training shard must be a part of its generation shard. With k = tp / tp_g, generation TP
+slice g is the union of training TP slices g*k .. g*k+k-1 of every layer. The m = k * pp ranks of one
+replica holding those slices (k neighbouring TP ranks, all stages) form a *micro-DP group*: they all end
+up with the same generation shard, so one all-gather inside the group builds it, all groups gather
+concurrently, and nobody receives anything it does not keep. A rank's generation TP group is its stage's
+ranks with the same t % k; its generation TP rank is t // k. W=8, tp=4, pp=1, dp=2, tp_g=2:
 
     training TP groups  [0 1 2 3] [4 5 6 7]
     micro-DP groups     [0 1] [2 3] [4 5] [6 7]     rank 2 holds slice 2, gathers 3 -> slices 2-3
     generation TP       [0 2] [1 3] [4 6] [5 7]     = generation shard 1 of group [0 2]
 
-With pp > 1 the micro-DP group spans the stages: a rank also gathers the other stages' layers of
-its slices. tp_g > tp is allowed from tp = 1: replicas d = d0*n .. d0*n+n-1 (n = tp_g) form a
-generation TP group and replica d keeps slice d % n, just narrowing its shard (and, with pp > 1,
-gathering the other stages' narrowed layers from its PP group). From tp > 1 the generation TP rank
-could not follow the global rank order, which torch's groups impose and vocab-parallel sampling uses.
-
-Fused parameters follow `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks are
-merged piece by piece into [q_t .. q_t+k-1; k ..; v ..], on head boundaries.
+tp_g > tp is allowed from tp = 1 (from tp > 1 the generation TP rank could not follow the global rank
+order, which torch's groups impose and vocab-parallel sampling uses): replicas d0*n .. d0*n+n-1 (n = tp_g)
+form a generation TP group and replica d narrows its shard to slice d % n. With pp > 1 a rank also gathers
+the other stages' layers. Fused parameters follow `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k
+gathered blocks merge piece by piece, on head boundaries.
 
 Memory
 ------
-Each bucket (whole layers, about `bucket_bytes` gathered) is one flat in-place all-gather: a rank
-copies its part into its slot and releases its training tensor (the Parameter, its hooks and the
-optimizer's references stay; only its storage is swapped for an empty one). The gathered bucket
-becomes the generation weights: views into it when k = 1, merged copies when k > 1 (the bucket is
-then freed at once). On exit each released training tensor is rebuilt from its slice of the
-generation weights, bit for bit, and everything gathered is dropped. Extra bytes a rank allocates,
-less what it releases, measured in `stats`:
+Each bucket (whole layers, about `bucket_bytes` gathered) is one flat in-place all-gather: a rank copies
+its part into its slot and releases its training tensor (only its storage: the Parameter, its hooks and
+the optimizer's references stay). The gathered bucket becomes the generation weights: views into it when
+k = 1, merged copies when k > 1 (the bucket is then freed). On exit each released training tensor is
+rebuilt, bit for bit, from its slice of the generation weights. Extra bytes a rank holds (`stats`):
     tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
     tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
     tp_g >  tp:           <= gen + padding (the training shard stays whole: it is more than gen)
@@ -50,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -59,9 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from model import ModelConfig, Transformer
-from parallel import Layout, model_state, shard_name, stage_layers, validate_layout
-
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from parallel import (Layout, _all_gather_flat, _new_group, all_reduce, model_state, shard_name, stage_layers,
+                      validate_layout)
 
 # ----------------------------------------------------------------------------- the grouping
 
@@ -81,24 +75,18 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
     Generation TP group r is replica r (its dp rank), listed in TP-rank order (which is ascending)."""
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-    if tp_g not in valid_generation_tp(world, tp, pp):
+    if tp_g not in (valid := valid_generation_tp(world, tp, pp)):
         raise ValueError(f"rollout tp={tp_g} does not fit training tp={tp}, pp={pp} on {world} ranks: it must "
-                         f"divide tp, or (with tp=1) divide dp={world // (tp * pp)}; valid: "
-                         f"{valid_generation_tp(world, tp, pp)}")
+                         f"divide tp, or (with tp=1) divide dp={world // (tp * pp)}; valid: {valid}")
     k, n = _split(tp, tp_g)
     micro, gen = {}, {}
     for rank in range(world):
-        d, rem = divmod(rank, tp * pp)
-        p, t = divmod(rem, tp)
+        d, p, t = rank // (tp * pp), rank // tp % pp, rank % tp
         micro.setdefault((d, t // k), []).append(rank)
         gen.setdefault(((d // n) * pp + p) * k + t % k, {})[(t // k) * n + d % n] = rank
     gen = [[gen[r][g] for g in range(tp_g)] for r in range(len(gen))]
     assert all(g == sorted(g) for g in gen)
     return sorted(micro.values()), gen
-
-
-def _group(ranks: list[int]):
-    return dist.new_group(ranks) if len(ranks) > 1 else None
 
 
 def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
@@ -109,21 +97,16 @@ def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[in
     if tp_g == train.tp and train.pp == 1:
         return train, None, [rank]
     k, n = _split(train.tp, tp_g)
+
+    def member(groups, new_group=_new_group):  # create every group; return this rank's (ranks, group)
+        made = [(ranks, new_group(ranks)) for ranks in groups]
+        return next(rg for rg in made if rank in rg[0])
     lay = Layout(tp=tp_g, pp=1, dp=world // tp_g, rank=rank)
-    mine, mgroup = train.pp_ranks, train.pp_group  # k == 1: the micro-DP group is the PP group
-    for ranks in micro if k > 1 else []:
-        g = _group(ranks)
-        if rank in ranks:
-            mine, mgroup = ranks, g
-    for r, ranks in enumerate(gen):
-        g = train.tp_group if k == n == 1 else _group(ranks)
-        if rank in ranks:
-            lay.dp_rank, lay.tp_rank, lay.tp_ranks, lay.tp_group = r, ranks.index(rank), ranks, g
-    for g in range(tp_g):
-        ranks = [gen[r][g] for r in range(len(gen))]
-        grp = _group(ranks)
-        if rank in ranks:
-            lay.dp_ranks, lay.dp_group = ranks, grp
+    # k == 1: the micro-DP group is the PP group; k == n == 1: the generation TP groups are the training ones
+    mine, mgroup = member(micro) if k > 1 else (train.pp_ranks, train.pp_group)
+    lay.tp_ranks, lay.tp_group = member(gen, (lambda _: train.tp_group) if k == n == 1 else _new_group)
+    lay.dp_rank, lay.tp_rank = gen.index(lay.tp_ranks), lay.tp_ranks.index(rank)
+    lay.dp_ranks, lay.dp_group = member(map(list, zip(*gen)))  # generation DP group g: TP rank g of each replica
     return lay, mgroup, mine
 
 
@@ -147,13 +130,8 @@ def _merge(blocks: list[torch.Tensor], dim: int, parts: list[int]) -> torch.Tens
 
 def _owned(t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """t in storage of its own (copied unless it already is a new tensor)."""
-    if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() and t.is_contiguous():
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    shared = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    return t.clone(memory_format=torch.contiguous_format) if shared or not t.is_contiguous() else t
 
 
 @dataclasses.dataclass
@@ -177,14 +155,9 @@ def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_
     for name, prm in skel.named_parameters():
         if name.startswith("value_head.") or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
             continue
-        gen = name
-        if name.startswith("layers."):
-            _, i, rest = name.split(".", 2)
-            gen = f"layers.{start + int(i)}.{rest}"
-        shape = list(prm.shape)
-        if prm.tp_dim is not None:
-            shape[prm.tp_dim] //= n
-        out.append(_Entry(name, gen, tuple(shape), prm.tp_dim, prm.tp_parts))
+        gen = re.sub(r"^layers\.(\d+)", lambda layer: f"layers.{start + int(layer[1])}", name)  # stage-local -> global
+        shape = tuple(s // n if d == prm.tp_dim else s for d, s in enumerate(prm.shape))
+        out.append(_Entry(name, gen, shape, prm.tp_dim, prm.tp_parts))
     return out
 
 
@@ -199,37 +172,32 @@ class Resharder:
     def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizer=None, seed: int = 0,
                  bucket_bytes: int = 1 << 30):
         self.model, self.layout, self.optimizer = model, layout, offload_optimizer
-        cfg, world = model.cfg, layout.world_size
-        validate_layout(cfg, tp_g, 1, world, name=f"rollout tp={tp_g}")
+        validate_layout(model.cfg, tp_g, 1, layout.world_size, name=f"rollout tp={tp_g}")
         self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
         self.gen_seed = seed * 100_003 + self.gen_layout.dp_rank + 1  # one stream per generation TP group
-        self._gen_rng, self._held, self._offloaded, self.last_timing = None, [], [], 0.0
+        self._rng, self._held, self._offloaded, self.last_timing = {"train": None, "gen": None}, [], [], 0.0
         dtypes = {p.dtype for p in model.parameters()}
         if len(dtypes) != 1:
             raise ValueError(f"Resharder needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.dtype, self.device = dtypes.pop(), next(model.parameters()).device
         self.stats = dict(gen_bytes=0, buckets=0, max_bucket_bytes=0, pad_bytes=0, recv_bytes=0, released_bytes=0,
                           peak_extra_bytes=0, steady_extra_bytes=0)
-        self.identity = tp_g == layout.tp and layout.pp == 1
-        if self.identity:
-            self.gen_model = model
+        if tp_g == layout.tp and layout.pp == 1:  # the training model is the generation model: nothing to move
+            self.gen_model, self.chunks = model, []
             return
         ok = torch.tensor([float(model.lm_head is not None or not layout.is_last_stage)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item() != 1.0:
+        if all_reduce(ok, dist.group.WORLD if dist.is_initialized() else None, dist.ReduceOp.MIN).item() != 1.0:
             raise ValueError("Resharder: the model has no LM head (a critic?); only the actor is resharded")
-        self.gen_model = Transformer(cfg, self.gen_layout, self.dtype, device="meta").requires_grad_(False)
+        self.gen_model = Transformer(model.cfg, self.gen_layout, self.dtype, device="meta").requires_grad_(False)
         self.gen_model.inv_freq, self.gen_model.attn_backend = model.inv_freq, model.attn_backend
         self._meta = dict(self.gen_model.named_parameters())
         self._plan(bucket_bytes)
 
     def _plan(self, bucket_bytes: int) -> None:
-        """Cut every stage's contribution into the same sequence of buckets. Stages hold the same layer
-        shapes, so bucket b takes local layers [b*per, (b+1)*per) of every stage, and one more bucket the
-        first stage's embedding with the last stage's norm and head (two when they are one stage).
-        chunks[b] = the largest stage's part of bucket b, in elements."""
+        """Cut every stage's contribution into the same sequence of buckets. Stages hold the same layer shapes,
+        so bucket b takes local layers [b*per, (b+1)*per) of every stage, and one more bucket the first stage's
+        embedding with the last stage's norm and head (two when one stage). chunks[b] = its largest part."""
         lay, cfg, m = self.layout, self.model.cfg, len(self.micro_ranks)
         stages = [_stage_entries(cfg, lay.tp, lay.pp, p, self.n) for p in range(lay.pp)]
         covered = {e.gen for es in stages for e in es}
@@ -237,8 +205,7 @@ class Resharder:
         size = lambda es: sum(torch.Size(e.shape).numel() for e in es)  # noqa: E731
         item = torch.finfo(self.dtype).bits // 8
         per = max(1, bucket_bytes // (item * m * size(e for e in stages[0] if e.train.startswith("layers.0."))))
-        first, last = stage_layers(cfg.num_layers, lay.pp, 0)  # the first stage has the most layers
-        nl = -(-(last - first) // per)
+        nl = -(-stage_layers(cfg.num_layers, lay.pp, 0)[1] // per)  # layer buckets (the first stage has the most)
         self.buckets = [[[] for _ in range(nl + 1 + (lay.pp == 1))] for _ in stages]  # [stage][bucket]
         for p, entries in enumerate(stages):
             for e in entries:
@@ -254,16 +221,15 @@ class Resharder:
         self.stats.update(gen_bytes=gen, buckets=len(self.chunks), max_bucket_bytes=max(gathered),
                           pad_bytes=max(0, sum(gathered) - gen), recv_bytes=(m - 1) * sum(self.chunks) * item)
 
-    # --- entering and leaving generation
     @contextmanager
     def generation(self):
         t0 = time.perf_counter()
         self._offload(True)
         self._swap_rng(to_generation=True)
         try:
-            if not self.identity:
-                self._gather()
-            self._sync()
+            self._gather()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.stats["enter_s"] = time.perf_counter() - t0
             yield self.gen_model
         finally:  # also after a failure inside the block: the training state comes back regardless
@@ -271,7 +237,8 @@ class Resharder:
             self._release()
             self._swap_rng(to_generation=False)
             self._offload(False)
-            self._sync()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.stats["exit_s"] = time.perf_counter() - t1
             self.last_timing = self.stats.get("enter_s", 0.0) + self.stats["exit_s"]
 
@@ -285,9 +252,7 @@ class Resharder:
         meta = p = self._meta[name]
         if data is not None:
             p = nn.Parameter(data, requires_grad=False)
-            for a in ("tp_dim", "tp_parts", "tp_partial_grad"):
-                if hasattr(meta, a):
-                    setattr(p, a, getattr(meta, a))
+            vars(p).update(vars(meta))  # tp_dim, tp_parts (and tp_partial_grad where set)
         setattr(self.gen_model.get_submodule(mod), leaf, p)
 
     @torch.no_grad()
@@ -298,29 +263,27 @@ class Resharder:
         self._live = self._peak = self.stats["released_bytes"] = 0
         for b, chunk in enumerate(self.chunks):
             mine = self.buckets[lay.pp_rank][b]
-            held = ([], [])  # (entries set, released (param, entry)): what exit undoes; views keep buckets alive
-            self._held.append(held)
+            released = []  # (param, entry) released until exit; gathered views keep their bucket alive
+            self._held.append(released)
             if m == 1:  # tp_g > tp = 1 and pp == 1: narrow, no communication
                 for e in mine:
                     p = own[e.train]
                     data = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
-                    self._account(0 if data.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
-                                  else _nbytes(data))
+                    self._account(data.nbytes if e.parts and len(e.parts) > 1 else 0)  # fused: a concatenated copy
                     self._set(e.gen, data)
-                    held[0].append(e)
                 continue
             buf = torch.empty(m * chunk, dtype=self.dtype, device=self.device)
-            self._account(_nbytes(buf))
+            self._account(buf.nbytes)
             slots = buf.view(m, chunk)
             for e in mine:
                 p = own[e.train]
                 part = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
                 slots[me, e.offset:e.offset + part.numel()].view(e.shape).copy_(part)
                 if n == 1:  # its slot holds this shard now: release the training copy until exit
-                    self._account(-_nbytes(p))
-                    self.stats["released_bytes"] += _nbytes(p)
+                    self._account(-p.nbytes)
+                    self.stats["released_bytes"] += p.nbytes
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                    held[1].append((p, e))
+                    released.append((p, e))
             _all_gather_flat(buf, slots[me], group=self.group)
             for stage, runs in enumerate(self.buckets):
                 for e in runs[b]:
@@ -329,42 +292,36 @@ class Resharder:
                     if k == 1:
                         data = blocks[0]
                     else:  # replicated: this rank's own copy, bitwise what it released
-                        data = _owned(blocks[c_me], buf) if e.tp_dim is None else _merge(blocks, e.tp_dim, e.local(lay.tp))
-                        self._account(_nbytes(data))
+                        data = (_owned(blocks[c_me], buf) if e.tp_dim is None else
+                                _merge(blocks, e.tp_dim, e.local(lay.tp)))
+                        self._account(data.nbytes)
                     self._set(e.gen, data)
-                    held[0].append(e)
             if k > 1:  # the merged copies are the generation weights: the bucket goes now
-                self._account(-_nbytes(buf))
+                self._account(-buf.nbytes)
             del buf, slots, blocks
         self.stats.update(peak_extra_bytes=self._peak, steady_extra_bytes=self._live)
 
     @torch.no_grad()
     def _release(self) -> None:
-        """Rebuild each released training tensor from its slice of the generation weights, bucket by
-        bucket, dropping each bucket as soon as its tensors are back."""
+        """Rebuild each released training tensor from its slice of the generation weights, bucket by bucket,
+        dropping each bucket as soon as its tensors are back (m = 1 has one stage: its entries are all set)."""
         k, c_me, tp_g = self.k, self.layout.tp_rank % self.k, self.gen_layout.tp
-        while self._held:
-            entries, released = self._held.pop(0)
+        for b, released in enumerate(self._held):
             for p, e in released:
                 g = self.gen_model.get_parameter(e.gen).detach()
                 p.data = _owned(_sub(g, e.tp_dim, e.local(tp_g), k, c_me), g)
-            for e in entries:
-                self._set(e.gen, None)
-            del entries, released
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            for runs in self.buckets:
+                for e in runs[b]:
+                    self._set(e.gen, None)
+        self._held = []
 
     def _swap_rng(self, to_generation: bool) -> None:
         """One torch RNG stream per generation TP group (same seed on its ranks), carried over between
         generations; the training stream is set aside and restored exactly (CPU and this CUDA device)."""
         cuda = self.device.type == "cuda"
-        now = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
-        if to_generation:
-            self._train_rng, new = now, self._gen_rng
-        else:
-            self._gen_rng, new = now, self._train_rng
+        leave, enter = ("train", "gen") if to_generation else ("gen", "train")
+        self._rng[leave] = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        new = self._rng[enter]
         if new is None:  # the first generation: seed its stream
             torch.random.default_generator.manual_seed(self.gen_seed)
             if cuda:
@@ -399,10 +356,8 @@ class Resharder:
 def dispatch_prompts(prompts: list, gen_layout: Layout) -> tuple[list, int]:
     """This generation replica's contiguous share of the prompt list (the same on every rank) and its
     offset. A prompt's n samples are generated together, so they stay in one replica."""
-    r, R = gen_layout.dp_rank, gen_layout.dp
-    base, extra = divmod(len(prompts), R)
-    start = r * base + min(r, extra)
-    return prompts[start:start + base + (r < extra)], start
+    start, end = stage_layers(len(prompts), gen_layout.dp, gen_layout.dp_rank)  # the same even split as layers
+    return prompts[start:end], start
 
 
 def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
@@ -411,11 +366,9 @@ def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (offset, done) if gen_layout.tp_rank == 0 else None)
-    out = []
-    for off, items in sorted((p for p in parts if p is not None), key=lambda p: p[0]):
-        out += [dataclasses.replace(c, prompt_index=c.prompt_index + off)
-                if dataclasses.is_dataclass(c) and hasattr(c, "prompt_index") else c for c in items]
-    return out
+    parts = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+    return [dataclasses.replace(c, prompt_index=c.prompt_index + off)
+            if dataclasses.is_dataclass(c) and hasattr(c, "prompt_index") else c for off, items in parts for c in items]
 
 
 # ----------------------------------------------------------------------------- checkpoints and export
@@ -488,12 +441,12 @@ def load_into(model: Transformer, ckpt_dir: str) -> None:
     if diff := [k for k in mine if k != "raw" and mine[k] != theirs[k]]:
         raise ValueError(f"checkpoint {ckpt_dir!r} is a different model: " +
                          ", ".join(f"{k}={theirs[k]!r} (model has {mine[k]!r})" for k in diff))
-    lay = model.layout
     for name, p in model.named_parameters():
         full = torch.cat([ck.tensor(hf) for hf in model.hf_names(name)], p.tp_dim or 0)
-        local = _sub(full, p.tp_dim, p.tp_parts, lay.tp, lay.tp_rank)
+        local = _sub(full, p.tp_dim, p.tp_parts, model.layout.tp, model.layout.tp_rank)
         if local.shape != p.shape:
-            raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, model has {list(p.shape)}")
+            raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, "
+                             f"model has {list(p.shape)}")
         p.copy_(local)
 
 
@@ -520,11 +473,10 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
     for hf in ck.index:
         if hf.startswith("value_head."):
             continue  # a critic's head is no part of a causal LM
-        t = ck.tensor(hf)
-        t = (t if dtype is None else t.to(dtype)).contiguous()
-        if cur and sum(map(_nbytes, cur.values())) + _nbytes(t) > max_shard_bytes:
+        t = ck.tensor(hf).to(dtype=dtype).contiguous()  # dtype None: as stored
+        if cur and sum(v.nbytes for v in cur.values()) + t.nbytes > max_shard_bytes:
             flush()
-        cur[hf], total, written = t, total + _nbytes(t), t.dtype
+        cur[hf], total, written = t, total + t.nbytes, t.dtype
     flush()
     weight_map = {}
     for i, names in enumerate(shards):
