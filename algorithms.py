@@ -108,12 +108,10 @@ def compute_gae_advantage_return(
     """
     mask = response_mask.to(values.dtype)
     rewards, values = token_level_rewards.to(values.dtype) * mask, values * mask
-    next_value = torch.zeros_like(values[:, 0])
-    next_adv = torch.zeros_like(values[:, 0])
+    next_value = next_adv = torch.zeros_like(values[:, 0])
     adv = torch.zeros_like(values)
     for t in reversed(range(values.shape[1])):  # the recurrence is inherently sequential in time
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        a = delta + gamma * lam * next_adv
+        a = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_adv  # delta_t + gamma lam A_{t+1}
         m = mask[:, t]
         adv[:, t] = a * m
         next_value = values[:, t] * m + (1 - m) * next_value
@@ -123,10 +121,7 @@ def compute_gae_advantage_return(
 
 
 def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: torch.Tensor,
-    epsilon: float = 1e-6,
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor, epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon), std unbiased; Dr.GRPO (no std): A_i = s_i - mean_g.
@@ -199,13 +194,8 @@ ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
 
 
 def compute_advantage(
-    adv_estimator: str,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+    adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+    index: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to the estimator named `adv_estimator`; returns (advantages, returns)."""
@@ -215,15 +205,14 @@ def compute_advantage(
         if values is None:
             raise ValueError("adv_estimator='gae' needs critic `values`")
         return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
-    elif adv_estimator == "grpo":
-        return compute_grpo_outcome_advantage(
-            token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo
-        )
-    elif adv_estimator == "rloo":
+    if adv_estimator == "grpo":
+        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
+                                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+    if adv_estimator == "rloo":
         return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
-    elif adv_estimator == "reinforce_plus_plus":
+    if adv_estimator == "reinforce_plus_plus":
         return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
-    elif adv_estimator == "reinforce_plus_plus_baseline":
+    if adv_estimator == "reinforce_plus_plus_baseline":
         return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index)
     raise ValueError(f"unknown adv_estimator {adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}")
 
@@ -245,13 +234,8 @@ def loss_denominator(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
 
 
-def agg_loss(
-    loss_mat: torch.Tensor,
-    loss_mask: torch.Tensor,
-    loss_agg_mode: str,
-    global_denominator: float,
-    horizon: int | None = None,
-) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, global_denominator: float,
+             horizon: int | None = None) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss (formulas in the module docstring).
 
     token-mean / seq-mean-token-sum: sum(m L) / D;  seq-mean-token-mean: sum_i(mean_t L) / D;
@@ -287,19 +271,10 @@ POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo")
 
 
 def compute_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    global_denominator: float,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    policy_loss_mode: str = "vanilla",
-    horizon: int | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    global_tokens: float | None = None,
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    global_denominator: float, loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, policy_loss_mode: str = "vanilla",
+    horizon: int | None = None, rollout_is_weights: torch.Tensor | None = None, global_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss; returns (pg_loss, metrics).
 
@@ -323,23 +298,20 @@ def compute_policy_loss(
     log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     clipfrac_lower = torch.zeros_like(ratio)
-    if policy_loss_mode == "vanilla":
-        if clip_ratio_c <= 1.0:
+    if policy_loss_mode in ("vanilla", "gspo"):
+        if policy_loss_mode == "gspo":  # token form of rho_i: value rho_i, gradient rho_i grad logp_t
+            seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().unsqueeze(-1)
+            ratio = torch.exp(torch.clamp(log_prob - log_prob.detach() + seq_log_ratio, max=20.0))
+        elif clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
         loss1 = -advantages * ratio
         loss2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-        clipped = torch.maximum(loss1, loss2)
-        clipfrac = (loss2 > loss1).to(ratio.dtype)
-        loss3 = -advantages * clip_ratio_c
-        clipfrac_lower = ((clipped > loss3) & (advantages < 0)).to(ratio.dtype)
-        pg_losses = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
-    elif policy_loss_mode == "gspo":
-        seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().unsqueeze(-1)
-        seq_ratio = torch.exp(torch.clamp(log_prob - log_prob.detach() + seq_log_ratio, max=20.0))
-        loss1 = -advantages * seq_ratio
-        loss2 = -advantages * torch.clamp(seq_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
         pg_losses = torch.maximum(loss1, loss2)
         clipfrac = (loss2 > loss1).to(ratio.dtype)
+        if policy_loss_mode == "vanilla":  # dual clip
+            loss3 = -advantages * clip_ratio_c
+            clipfrac_lower = ((pg_losses > loss3) & (advantages < 0)).to(ratio.dtype)
+            pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, loss3), pg_losses)
     elif policy_loss_mode == "cispo":
         weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high).detach()
         pg_losses = -advantages * weight * log_prob
@@ -358,15 +330,9 @@ def compute_policy_loss(
 
 
 def compute_value_loss(
-    vpreds: torch.Tensor,
-    values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    global_denominator: float,
-    cliprange_value: float = 0.5,
-    loss_agg_mode: str = "token-mean",
-    horizon: int | None = None,
-    global_tokens: float | None = None,
+    vpreds: torch.Tensor, values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
+    global_denominator: float, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
+    horizon: int | None = None, global_tokens: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped critic loss 0.5 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
 
@@ -409,7 +375,7 @@ _kl_estimate = kl_penalty  # apply_kl_penalty's verl-named argument `kl_penalty`
 
 
 class FixedKLController:
-    """A constant KL coefficient beta."""
+    """A constant KL coefficient beta (and the state handling both controllers share)."""
 
     def __init__(self, kl_coef: float):
         self.value = float(kl_coef)
@@ -424,7 +390,7 @@ class FixedKLController:
         self.value = float(state["value"])
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(FixedKLController):
     """Ziegler et al. (2019): beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n_steps / horizon).
 
     beta grows when the measured KL overshoots the target and shrinks when it undershoots,
@@ -438,20 +404,10 @@ class AdaptiveKLController:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-
 
 def apply_kl_penalty(
-    token_level_scores: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    ref_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    kl_ctrl: FixedKLController | AdaptiveKLController,
-    kl_penalty: str = "kl",
+    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor, kl_ctrl: FixedKLController | AdaptiveKLController, kl_penalty: str = "kl",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL in reward: r_t = score_t - beta kl_t; then update beta with the batch KL.
 
@@ -501,10 +457,7 @@ def compute_overlong_penalty(
 
 
 def compute_rollout_is_weights(
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    response_mask: torch.Tensor,
-    threshold: float = 2.0,
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float = 2.0,
     level: str = "token",
 ) -> torch.Tensor:
     """Truncated importance weights pi_train / pi_rollout correcting the sampler/trainer mismatch.

@@ -1,42 +1,32 @@
 """Prompts in, micro-batches out: the data side of RL post-training.
 
-**The dataset format.** nanorl reads the parquet layout that verl made common. Each row is
-one prompt: `prompt` holds the chat messages (a list of `{"role", "content"}` dicts; a plain
-string is accepted and sent as a single user message), `data_source` names the task so the
-reward function knows how to score it, `reward_model` is a struct whose `ground_truth` the
-scorer compares against, and `extra_info` is a free-form struct (split, original index, ...).
-Any other column (`ability`, ...) is carried along untouched. Rendering the messages
-through the tokenizer's chat template with the generation prompt appended gives the token
-ids the policy continues from.
+**The dataset format** is verl's parquet layout, one prompt per row: `prompt` holds the chat
+messages (`{"role", "content"}` dicts, or a plain string sent as one user message), `data_source`
+tells the reward function how to score it, `reward_model.ground_truth` is what the scorer compares
+against, `extra_info` is free-form; other columns (`ability`, ...) are carried along. The messages
+rendered through the chat template, generation prompt appended, are the ids the policy continues.
 
-**One tokenized copy per node.** Tokenizing a large dataset takes minutes, and with eight
-ranks per node eight private copies of it would waste memory. So the first process to
-arrive tokenizes everything once into an Arrow IPC file, and every process, on every rank,
-memory-maps that file: the operating system's page cache then holds a single copy shared by
-all of them, and opening it later costs milliseconds. The file's name is a hash of everything
-that determines its contents (the bytes of the data files, the tokenizer's vocabulary and
-chat template, the length settings), so a change to any of them builds a new file instead
-of silently reusing a stale one. Coordination needs no torch.distributed: whoever creates the
-lock file (O_CREAT|O_EXCL is atomic) builds to a temporary name and renames it into place;
-the rest wait for the finished file. A file that fails to open or whose metadata does not
-match is rebuilt, and a lock whose builder died is detected by its pid (or times out).
+**One tokenized copy per node.** Tokenizing a large dataset takes minutes, and eight ranks per node
+would hold eight copies. So the first process tokenizes everything once into an Arrow IPC file that
+every rank memory-maps: the page cache holds one shared copy, and reopening costs milliseconds. The
+file's name hashes all that decides its contents (the data files' bytes, the tokenizer's vocabulary
+and chat template, the length settings), so any change builds a new file rather than reusing a stale
+one. Whoever creates the lock file (O_CREAT|O_EXCL is atomic) builds to a temporary name and renames
+it into place while the rest wait; no torch.distributed needed. A file that fails to validate is
+rebuilt; a dead builder's lock is detected by its pid (or times out).
 
-**Sampling.** The sampler draws a fresh permutation per epoch from (seed, epoch), drops the
-tail of an epoch too short to fill a batch, and saves just (epoch, position), so a resumed
-run continues with exactly the batches it would have drawn -- including at an epoch
-boundary, where the next batch is the first one of the new epoch.
+**Sampling.** A fresh permutation per epoch from (seed, epoch), the tail too short for a batch
+dropped; the state is just (epoch, position), so a resumed run draws exactly the batches it would
+have drawn, also at an epoch boundary.
 
-**Packing.** Log-probs and updates run on variable-length sequences concatenated without
-padding (see `packed_inputs`), in micro-batches of at most `max_tokens` tokens. Two things
-must hold: each data-parallel rank gets about the same work, since every rank waits for the
-slowest at the gradient all-reduce; and each rank runs the same number of micro-batches,
-since collectives and the pipeline schedule proceed in lock-step. We first split the sequences
-over ranks with greedy LPT (longest first, each to the least-loaded rank). Graham's bound:
-its largest rank load is at most (4/3 - 1/(3k)) times the best possible for k ranks, and also
-at most mean load + longest sequence. Then each rank packs its own sequences with first-fit
-decreasing, and ranks with fewer micro-batches split their fullest ones (or, with nothing
-left to split, add empty ones) until all counts agree. Work here is token count; attention's
-quadratic term is ignored, which is fine while sequences are short next to the model width.
+**Packing.** Log-probs and updates run on unpadded concatenated sequences (`packed_inputs`) in
+micro-batches of at most `max_tokens` tokens. Data-parallel ranks should get about equal work (all
+wait for the slowest at the gradient all-reduce) and exactly equal micro-batch counts (collectives
+and the pipeline schedule run in lock-step). Greedy LPT (longest first, each to the least-loaded
+rank) splits sequences over k ranks; by Graham's bound its largest load is at most (4/3 - 1/(3k))
+times optimal, and at most mean load + longest sequence. Each rank packs first-fit decreasing, and
+ranks with fewer micro-batches split their fullest ones (or add empty ones) until counts agree.
+Work is token count: attention's quadratic term is small while sequences are short next to the width.
 """
 from __future__ import annotations
 
@@ -44,6 +34,7 @@ import argparse
 import contextlib
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import os
@@ -62,7 +53,6 @@ logger = logging.getLogger("nanorl.data")
 
 CACHE_VERSION = "2"  # bump when the cache layout changes, so old files are never reused
 TRUNCATIONS = ("error", "left", "right", "middle")
-REQUIRED_COLUMNS = ("data_source", "reward_model")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -76,9 +66,6 @@ def load_tokenizer(model_dir: str):
         raise FileNotFoundError(f"{model_dir!r} holds no tokenizer files (expected one of {list(TOKENIZER_FILES)}); "
                                 f"it has {sorted(os.listdir(model_dir))}")
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-# ----------------------------------------------------------------------------- atomic files
 
 
 def _fsync(path: str) -> None:
@@ -134,32 +121,27 @@ def _check_messages(prompt, where: str) -> list[dict]:
 
 
 def _fit(ids: list[int], max_len: int, truncation: str) -> list[int]:
-    if truncation == "left":  # keep the end, which holds the question and the generation prompt
-        return ids[-max_len:]
-    if truncation == "right":
-        return ids[:max_len]
-    head = max_len // 2  # "middle": keep the head and the tail halves
+    """`head` tokens from the start, the rest from the end ("left" keeps the question and generation prompt)."""
+    head = {"left": 0, "right": max_len, "middle": max_len // 2}[truncation]
     return ids[:head] + ids[len(ids) - (max_len - head):]
 
 
 def _clear_stale_lock(lock: str) -> None:
     """Remove a lock whose builder died on this host, so a crash does not block every later run."""
     try:
-        with open(lock) as f:
-            host, pid = f.read().split()
+        host, pid = pathlib.Path(lock).read_text().split()
     except (OSError, ValueError):  # gone already, or its owner is mid-write
         return
     if host != socket.gethostname():  # another node's builder: only the timeout can tell
         return
     try:
         os.kill(int(pid), 0)  # signal 0 only checks that the process exists
-        return
     except PermissionError:  # alive, owned by another user
-        return
+        pass
     except ProcessLookupError:
         logger.warning("removing lock %s left by dead process %s", lock, pid)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(lock)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
 
 
 class PromptDataset:
@@ -188,35 +170,28 @@ class PromptDataset:
         self.files = [os.path.abspath(f) for f in files]
         self.tokenizer, self.max_prompt_length, self.truncation = tokenizer, max_prompt_length, truncation
         self.filter_overlong, self.prompt_key, self.lock_timeout = filter_overlong, prompt_key, lock_timeout
-        settings = dict(version=CACHE_VERSION, max_prompt_length=max_prompt_length, truncation=truncation,
-                        filter_overlong=filter_overlong, prompt_key=prompt_key)
         self.key = hashlib.sha256(json.dumps(dict(
-            settings, files=[_sha256_file(f) for f in self.files],
+            version=CACHE_VERSION, max_prompt_length=max_prompt_length, truncation=truncation,
+            filter_overlong=filter_overlong, prompt_key=prompt_key, files=[_sha256_file(f) for f in self.files],
             tokenizer=_tokenizer_fingerprint(tokenizer)), sort_keys=True).encode()).hexdigest()
         cache_dir = cache_dir or os.path.join(os.path.dirname(self.files[0]), ".nanorl_cache")
         os.makedirs(cache_dir, exist_ok=True)
         self.cache_path = os.path.join(cache_dir, f"prompts-{self.key[:24]}.arrow")
         self.cache_built = False  # True in the one process that tokenized
         self._table = self._open_or_build()
-        meta = self._table.schema.metadata
-        self.num_filtered = int(meta[b"nanorl_num_filtered"])
+        self.num_filtered = int(self._table.schema.metadata[b"nanorl_num_filtered"])
         if self.num_filtered:
             logger.warning("%d prompts longer than %d tokens were filtered out of %s",
                            self.num_filtered, max_prompt_length, self.files)
 
-    # --- cache protocol
-
     def _try_open(self) -> pa.Table | None:
         """The cached table, or None if the file is absent or does not validate."""
-        if not os.path.exists(self.cache_path):
-            return None
         try:
             table = pa.ipc.open_file(pa.memory_map(self.cache_path, "r")).read_all()
             meta = table.schema.metadata or {}
-            if meta.get(b"nanorl_key") != self.key.encode():
-                raise ValueError("key mismatch")
-            if int(meta[b"nanorl_num_rows"]) != table.num_rows or "prompt_ids" not in table.column_names:
-                raise ValueError("row count mismatch")
+            if (meta.get(b"nanorl_key") != self.key.encode() or "prompt_ids" not in table.column_names
+                    or int(meta[b"nanorl_num_rows"]) != table.num_rows):
+                raise ValueError("key, columns or row count mismatch")
             table.validate()
             return table
         except (OSError, pa.ArrowException, ValueError, KeyError) as e:
@@ -225,7 +200,6 @@ class PromptDataset:
 
     def _open_or_build(self) -> pa.Table:
         lock = self.cache_path + ".lock"
-        me = f"{socket.gethostname()} {os.getpid()}"
         deadline = time.monotonic() + self.lock_timeout
         while True:
             table = self._try_open()
@@ -241,7 +215,7 @@ class PromptDataset:
                 time.sleep(0.05)
                 continue
             try:
-                os.write(fd, me.encode())
+                os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
                 os.close(fd)
                 # Someone may have finished between our check and taking the lock.
                 table = self._try_open()
@@ -257,8 +231,6 @@ class PromptDataset:
             finally:
                 os.remove(lock)
 
-    # --- building
-
     def _read_sources(self) -> tuple[pa.Table, list, list, list[tuple[str, int]]]:
         """The other columns of all files as one table; prompts and reward_model as Python values,
         since their Arrow types vary between files (int or str ground truths, list field names)."""
@@ -268,11 +240,12 @@ class PromptDataset:
                 t = pq.read_table(f)
             except (OSError, pa.ArrowException) as e:
                 raise ValueError(f"{f}: not a readable parquet file ({e})") from e
-            missing = [c for c in (self.prompt_key, *REQUIRED_COLUMNS) if c not in t.column_names]
+            missing = [c for c in (self.prompt_key, "data_source", "reward_model") if c not in t.column_names]
             if missing:
                 raise ValueError(f"{f}: missing column(s) {missing}; the file has columns {t.column_names}")
-            prompts += [[{"role": "user", "content": p}] if isinstance(p, str) else p
-                        for p in t.column(self.prompt_key).to_pylist()]
+            prompts += [[{"role": "user", "content": p}] if isinstance(p, str)
+                        else _check_messages(p, f"{f}: row {r}: column {self.prompt_key!r}")
+                        for r, p in enumerate(t.column(self.prompt_key).to_pylist())]
             rewards += t.column("reward_model").to_pylist()
             origin += [(f, r) for r in range(t.num_rows)]
             rests.append(t.drop_columns([c for c in t.column_names if c.startswith("__index_level_") or c in (
@@ -289,18 +262,15 @@ class PromptDataset:
         rest, prompts, rewards, origin = self._read_sources()
         if self.tokenizer.chat_template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template")
-        for p, (f, r) in zip(prompts, origin):
-            _check_messages(p, f"{f}: row {r}: column {self.prompt_key!r}")
         texts = self.tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         all_ids = []
-        for i in range(0, len(texts), 4096):  # in chunks: Encoding objects are large, keep only the ids
-            chunk = texts[i:i + 4096]
+        for chunk in (texts[i:i + 4096] for i in range(0, len(texts), 4096)):  # Encodings are large: keep ids only
             if backend is not None:  # the Rust tokenizer without transformers' wrapper: same ids, 2x faster
                 all_ids += [e.ids for e in backend.encode_batch_fast(chunk, add_special_tokens=False)]
             else:
                 all_ids += self.tokenizer(chunk, add_special_tokens=False)["input_ids"]
-        keep, kept_ids, truths, kept_rewards = [], [], [], []
+        kept = []  # (row, ids, reward_model) of each prompt that stays
         for row, (ids, rm, (f, r)) in enumerate(zip(all_ids, rewards, origin)):
             if len(ids) > self.max_prompt_length:
                 if self.filter_overlong:
@@ -312,32 +282,26 @@ class PromptDataset:
             truth = rm.get("ground_truth") if isinstance(rm, dict) else None
             if truth is None:
                 raise ValueError(f"{f}: row {r}: reward_model must be a struct with a ground_truth, got {rm!r}")
-            truth = truth if isinstance(truth, str) else json.dumps(truth)
-            keep.append(row)
-            kept_ids.append(ids)
-            truths.append(truth)
-            kept_rewards.append({**rm, "ground_truth": truth})
-        if not keep:
+            kept.append((row, ids, {**rm, "ground_truth": truth if isinstance(truth, str) else json.dumps(truth)}))
+        if not kept:
             raise ValueError(f"no prompts left in {self.files}: all {len(origin)} are longer than "
                              f"max_prompt_length={self.max_prompt_length}")
+        keep, kept_ids, kept_rewards = zip(*kept)
         table = rest.take(pa.array(keep, pa.int64()))
         for name, values in ((self.prompt_key, pa.array([prompts[i] for i in keep])),
                              ("reward_model", pa.array(kept_rewards)),
                              ("prompt_ids", pa.array(kept_ids, pa.large_list(pa.int32()))),
-                             ("ground_truth", pa.array(truths, pa.string())),
+                             ("ground_truth", pa.array([r["ground_truth"] for r in kept_rewards], pa.string())),
                              ("index", pa.array(np.arange(len(keep), dtype=np.int64)))):
             table = table.append_column(name, values)
-        table = table.replace_schema_metadata({
-            "nanorl_key": self.key, "nanorl_num_rows": str(len(keep)),
-            "nanorl_num_filtered": str(len(origin) - len(keep))})
+        table = table.replace_schema_metadata({"nanorl_key": self.key, "nanorl_num_rows": str(len(keep)),
+                                               "nanorl_num_filtered": str(len(origin) - len(keep))})
         # One record batch: Arrow's take() over a multi-chunk table first concatenates the chunks,
         # which would turn every batch draw into a copy of the whole dataset.
         with open(out_path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table.combine_chunks())
         logger.info("built prompt cache %s: %d prompts in %.1fs", self.cache_path, len(keep),
                     time.perf_counter() - t0)
-
-    # --- access
 
     def __len__(self) -> int:
         return self._table.num_rows
@@ -358,8 +322,7 @@ class PromptDataset:
         rows = table.drop_columns(["prompt_ids"]).to_pylist()
         for k, row in enumerate(rows):
             row["prompt_ids"] = values[offsets[k]:offsets[k + 1]].tolist()
-            if row.get("extra_info") is None:
-                row["extra_info"] = {}
+            row["extra_info"] = row.get("extra_info") or {}
         return rows
 
     # A pickled dataset (e.g. sent to a worker) reopens the mapping instead of copying the table.
@@ -388,27 +351,20 @@ class Sampler:
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, None
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The full index order of an epoch, a pure function of (seed, epoch)."""
-        if self._order_epoch != epoch:
-            self._order_epoch = epoch
-            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
-                           if self.shuffle else np.arange(self.num_items))
-        return self._order
-
     def next_indices(self, batch_size: int | None = None) -> list[int]:
         b = self.batch_size if batch_size is None else batch_size
         if not 1 <= b <= self.num_items:
             raise ValueError(f"batch_size={b} must be between 1 and the dataset size {self.num_items}")
         if self.position + b > self.num_items:
             self.epoch, self.position = self.epoch + 1, 0
-        out = self.order(self.epoch)[self.position:self.position + b]
+        if self._order_epoch != self.epoch:  # the epoch's order is a pure function of (seed, epoch)
+            rng, self._order_epoch = np.random.default_rng([self.seed, self.epoch]), self.epoch
+            self._order = rng.permutation(self.num_items) if self.shuffle else np.arange(self.num_items)
         self.position += b
-        return out.tolist()
+        return self._order[self.position - b:self.position].tolist()
 
     def state_dict(self) -> dict:
-        return dict(num_items=self.num_items, seed=self.seed, shuffle=self.shuffle,
-                    epoch=self.epoch, position=self.position)
+        return {k: getattr(self, k) for k in ("num_items", "seed", "shuffle", "epoch", "position")}
 
     def load_state_dict(self, state: dict) -> None:
         for k in ("num_items", "seed", "shuffle"):
@@ -436,25 +392,19 @@ def _first_fit_decreasing(items: list[int], seq_lens: list[int], budget: int) ->
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(items, key=lambda i: (-seq_lens[i], i)):
-        for b in range(len(bins)):
-            if room[b] >= seq_lens[i]:
-                bins[b].append(i)
-                room[b] -= seq_lens[i]
-                break
-        else:
-            bins.append([i])
-            room.append(budget - seq_lens[i])
+        b = next((b for b, r in enumerate(room) if r >= seq_lens[i]), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(budget)
+        bins[b].append(i)
+        room[b] -= seq_lens[i]
     return bins
 
 
 def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int,
                        dp_size: int) -> list[list[list[int]]]:
-    """result[dp_rank][micro_batch] = sorted sequence indices; see the module docstring.
-
-    Every micro-batch holds at most max_tokens_per_micro_batch tokens, every sequence is in exactly
-    one, all ranks have the same number of micro-batches (possibly empty ones), and the largest rank
-    load is within LPT's bound: <= (4/3 - 1/(3*dp_size)) * optimum and <= mean + longest sequence.
-    """
+    """result[dp_rank][micro_batch] = sorted sequence indices (see the module docstring): each micro-batch
+    within the token budget, each sequence in exactly one, the same number (some maybe empty) on every rank."""
     budget = max_tokens_per_micro_batch
     if dp_size < 1 or budget < 1:
         raise ValueError(f"dp_size ({dp_size}) and max_tokens_per_micro_batch ({budget}) must be >= 1")
@@ -472,8 +422,7 @@ def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int,
             if not splittable:
                 mbs.append([])
                 continue
-            j = max(splittable, key=lambda j: sum(seq_lens[i] for i in mbs[j]))
-            mb = mbs.pop(j)
+            mb = mbs.pop(max(splittable, key=lambda j: sum(seq_lens[i] for i in mbs[j])))
             mbs += [[mb[p] for p in half] for half in _lpt_partition([seq_lens[i] for i in mb], 2)]
     return [[sorted(mb) for mb in mbs] for mbs in per_rank]
 
@@ -486,14 +435,12 @@ def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
     if len(sequences) == 0:
         raise ValueError("packed_inputs needs at least one sequence")
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
-    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0)
+    lens = [len(s) for s in seqs]
     return {
         "input_ids": torch.cat(seqs),
-        "position_ids": torch.cat([torch.arange(len(s), dtype=torch.long) for s in seqs]),
-        "cu_seqlens": cu,
-        "max_seqlen": int(lens.max()),
+        "position_ids": torch.cat([torch.arange(n, dtype=torch.long) for n in lens]),
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
+        "max_seqlen": max(lens),
     }
 
 
@@ -503,8 +450,7 @@ GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after
 
 
 def _write_parquet(rows: list[dict], path: str) -> None:
-    table = pa.Table.from_pylist(rows)
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    atomic_write(path, lambda tmp: pq.write_table(pa.Table.from_pylist(rows), tmp))
 
 
 def prepare_gsm8k(src: str, out: str) -> None:
@@ -523,12 +469,11 @@ def prepare_gsm8k(src: str, out: str) -> None:
                 if "####" not in ex.get("answer", ""):
                     raise ValueError(f"{path}: line {line_no}: answer has no '####' final-answer marker")
                 truth = ex["answer"].split("####")[-1].replace(",", "").strip()
-                rows.append({
-                    "prompt": [{"role": "user", "content": ex["question"] + GSM8K_INSTRUCTION}],
-                    "data_source": "openai/gsm8k", "ability": "math",
-                    "reward_model": {"style": "rule", "ground_truth": truth},
-                    "extra_info": {"split": split, "index": len(rows), "question": ex["question"],
-                                   "answer": ex["answer"]}})
+                rows.append({"prompt": [{"role": "user", "content": ex["question"] + GSM8K_INSTRUCTION}],
+                             "data_source": "openai/gsm8k", "ability": "math",
+                             "reward_model": {"style": "rule", "ground_truth": truth},
+                             "extra_info": {"split": split, "index": len(rows), "question": ex["question"],
+                                            "answer": ex["answer"]}})
         _write_parquet(rows, os.path.join(out, f"{split}.parquet"))
         print(f"wrote {len(rows)} rows to {os.path.join(out, split + '.parquet')}")
 
@@ -589,19 +534,17 @@ def prepare_synthetic(out: str, task: str = "copy", n_train: int = 2000, n_test:
     tok = synthetic_tokenizer()
     ids = tok.convert_tokens_to_ids
     config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": -(-len(tok) // 8) * 8, "tie_word_embeddings": True, "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "hidden_act": "silu", "torch_dtype": "float32",
-        "initializer_range": 0.02, "attention_dropout": 0.0, "use_sliding_window": False,
-        "eos_token_id": ids("<|im_end|>"), "bos_token_id": ids("<|endoftext|>"),
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": -(-len(tok) // 8) * 8,
+        "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
+        "hidden_act": "silu", "torch_dtype": "float32", "initializer_range": 0.02, "attention_dropout": 0.0,
+        "use_sliding_window": False, "eos_token_id": ids("<|im_end|>"), "bos_token_id": ids("<|endoftext|>"),
         "pad_token_id": ids("<|endoftext|>")}
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # save_pretrained is not atomic; each rename is
         tok.save_pretrained(tmp)
+        pathlib.Path(tmp, "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in os.listdir(tmp):
             atomic_write(os.path.join(model_dir, name), lambda dst: shutil.copyfile(os.path.join(tmp, name), dst))
-        atomic_write(os.path.join(model_dir, "config.json"),
-                     lambda dst: pathlib.Path(dst).write_text(json.dumps(config, indent=2) + "\n"))
     print(f"wrote synthetic/{task}: {n_train} train + {n_test} test prompts and {model_dir}")
 
 

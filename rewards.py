@@ -53,14 +53,11 @@ def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
         found = [f for f in re.findall(r"-?[0-9.,]+", text) if f.strip(".,-")]
     else:
         raise ValueError(f"unknown gsm8k method {method!r}; valid: strict, flexible")
-    if not found:
-        return None
-    return found[-1].replace(",", "").replace("$", "").rstrip(".")  # "18." ends a sentence
+    return found[-1].replace(",", "").replace("$", "").rstrip(".") if found else None  # "18." ends a sentence
 
 
-def gsm8k_score(
-    solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
-) -> float:
+def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
+                score: float = 1.0) -> float:
     """`score` if the extracted answer equals the ground truth as a string, `format_score` if an
     answer was found but differs, 0 if none was found."""
     answer = gsm8k_extract(solution_str, method)
@@ -98,18 +95,6 @@ def remove_boxed(boxed: str) -> str:
     return boxed
 
 
-def _fix_fracs(s: str) -> str:
-    """\\frac12 -> \\frac{1}{2}, \\frac1{2} -> \\frac{1}{2}, \\frac{1}2 -> \\frac{1}{2}."""
-    s = re.sub(r"\\frac(?=[^{])(\\?[0-9a-zA-Z])", r"\\frac{\1}", s)  # first argument written bare
-    return re.sub(r"(\\frac\{[^{}]*\})([0-9a-zA-Z])", r"\1{\2}", s)  # second argument written bare
-
-
-def _unwrap_text(s: str) -> str:
-    """Drop a trailing unit "\\text{ cm}" / "\\mbox{...}" after a value; unwrap "\\text{word}" alone."""
-    s = re.sub(r"^(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]*\}(\^\{?\d\}?)?$", r"\1", s)
-    return re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
-
-
 def strip_math_string(s: str) -> str:
     """Normalize a MATH answer so that equal answers usually become equal strings."""
     s = s.strip().replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
@@ -118,12 +103,14 @@ def strip_math_string(s: str) -> str:
     s = re.sub(r"\^\{?\\circ\}?", "", s).replace("°", "")
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
-    s = _unwrap_text(s).strip().rstrip(".").strip()
+    s = re.sub(r"^(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]*\}(\^\{?\d\}?)?$", r"\1", s)  # a trailing unit: 5\text{ cm}
+    s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s).strip().rstrip(".").strip()  # \text{word}
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
         s = s.split("=")[1]
     s = s.replace(" ", "")
     s = re.sub(r"\\sqrt(?=[^{])(\\?[0-9a-zA-Z])", r"\\sqrt{\1}", s)
-    s = _fix_fracs(s)
+    s = re.sub(r"\\frac(?=[^{])(\\?[0-9a-zA-Z])", r"\\frac{\1}", s)  # \frac12 -> \frac{1}2
+    s = re.sub(r"(\\frac\{[^{}]*\})([0-9a-zA-Z])", r"\1{\2}", s)  # \frac{1}2 -> \frac{1}{2}
     s = re.sub(r"\^([0-9a-zA-Z])", r"^{\1}", s)  # LaTeX reads x^23 as x^{2}3
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators, not a tuple
         s = s.replace(",", "")
@@ -185,11 +172,8 @@ def math_dapo_score(solution_str: str, ground_truth: str) -> dict:
 def synthetic_score(data_source: str, solution_str: str, ground_truth: str) -> float:
     """1.0 if the left-stripped response starts with the ground truth (for "add": and no digit follows)."""
     text = solution_str.lstrip()
-    if not text.startswith(ground_truth):
-        return 0.0
-    if data_source == "synthetic/add" and text[len(ground_truth):len(ground_truth) + 1].isdigit():
-        return 0.0
-    return 1.0
+    digit_follows = text[len(ground_truth):len(ground_truth) + 1].isdigit()
+    return float(text.startswith(ground_truth) and not (data_source == "synthetic/add" and digit_follows))
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -198,7 +182,8 @@ MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
 KNOWN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, "math_dapo", "aime*", "synthetic/copy", "synthetic/add")
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float | dict:
+def compute_score(data_source: str, solution_str: str, ground_truth: str,
+                  extra_info: dict | None = None) -> float | dict:
     """Score one response with the rule chosen by `data_source` (see the module docstring)."""
     if data_source == "openai/gsm8k":
         return gsm8k_score(solution_str, ground_truth)
@@ -242,13 +227,8 @@ def load_reward_fn(spec: str | None) -> Callable:
     return fn
 
 
-def score_batch(
-    reward_fn: Callable,
-    data_sources: list[str],
-    solution_strs: list[str],
-    ground_truths: list[str],
-    extra_infos: list[dict | None] | None,
-) -> tuple[list[float], dict[str, list], int]:
+def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: list[str], ground_truths: list[str],
+                extra_infos: list[dict | None] | None) -> tuple[list[float], dict[str, list], int]:
     """Score every sample; returns (scores, extras, num_errors).
 
     A dict result gives its "score"; its other numeric keys (bools count) go to `extras`,
@@ -259,7 +239,7 @@ def score_batch(
     n = len(solution_strs)
     extra_infos = extra_infos if extra_infos is not None else [None] * n
     scores: list[float] = []
-    extras: dict[str, list] = {}
+    extra_rows: list[dict] = []  # per sample, the numeric extras of its dict result
     num_errors = 0
     for i in range(n):
         try:
@@ -271,17 +251,12 @@ def score_batch(
             result = 0.0
         if isinstance(result, dict) and isinstance(result.get("score"), numbers.Real):
             scores.append(float(result["score"]))
-            for key, value in result.items():
-                if key != "score" and isinstance(value, numbers.Real):
-                    extras.setdefault(key, [None] * i).append(float(value))
+            extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)})
         elif isinstance(result, numbers.Real):
             scores.append(float(result))
+            extra_rows.append({})
         else:
-            raise TypeError(
-                f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
-                "expected a number or a dict with a numeric 'score'"
-            )
-        for values in extras.values():  # keep every extras list aligned with `scores`
-            if len(values) < len(scores):
-                values.append(None)
-    return scores, extras, num_errors
+            raise TypeError(f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
+                            "expected a number or a dict with a numeric 'score'")
+    keys = dict.fromkeys(k for row in extra_rows for k in row)  # in order of first appearance
+    return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, num_errors

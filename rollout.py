@@ -1,11 +1,9 @@
 """Generation for RL: a KV-cached, continuously batched sampler that returns token log-probs.
 
-The cache and its rows
-----------------------
-The KV cache is one static block [layers, rows, max_len, kv_heads, head_dim] (model.KVCache),
-sized once from a token budget: `rows = min(max_rows, budget // max_len)`. A row holds one
-sequence: its prompt's k/v, then one more position per generated token. Nothing is paged; a row
-is a slot that sequences take turns in.
+**The cache and its rows.** The KV cache is one static block [layers, rows, max_len, kv_heads,
+head_dim] (model.KVCache), sized once from a token budget: `rows = min(max_rows, budget // max_len)`.
+A row is a slot that sequences take turns in (nothing is paged): its prompt's k/v, then one
+position per new token.
 
     prefill   packed prompts of the newly admitted sequences, one forward  ->  k/v into their rows
     decode    one token for every row 0..B-1, one forward per step         ->  k/v at position len-1
@@ -14,44 +12,33 @@ A prompt sampled n times is prefilled once, into the first of its rows; `KVCache
 copies its k/v to the other n-1 rows, and each sample draws its first token from the shared
 last-position logits.
 
-Continuous batching
--------------------
-The host checks the rows only every `sync_every` decode steps (one small device->host copy of
-the per-row `done` flags and token counts). Between checks everything lives on the device: the
-next input token, the row lengths, the generated tokens and log-probs, and the stop test (a stop
-token, or max_new_tokens reached), so there is no host sync per token. At a check, finished rows
-are read out and handed to the next waiting prompts (or the rest of a waiting sample group), so a
-long tail does not idle the batch; a row that finished inside the window just decodes a few
-tokens that are never read. When nothing is waiting and few rows are still live, the live rows
-are moved to the front (their k/v copied) so that the decode runs over fewer rows.
+**Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one
+small copy of the per-row `done` flags and token counts); in between, the next tokens, row lengths,
+outputs and the stop test (a stop token, or max_new_tokens) stay on the device: no host sync per
+token. At a check, finished rows are read out and refilled from the waiting prompts, so a long tail
+does not idle the batch (a row done mid-window decodes a few tokens nobody reads). When nothing is
+waiting and few rows are live, they move to the front (k/v copied) so decode runs over fewer rows.
 
-A decode step attends over the first L positions of rows 0..B-1 only, where L covers every row's
-length until the next check. On CUDA each step (forward, sampling, bookkeeping) is captured in a
-CUDA graph per bucket (B in 1, 2, 4, ..., rows; L a multiple of 128) over static buffers, and
-replayed; a bucket's first step runs eagerly (which also warms up cuBLAS and NCCL) and is then
-captured. The sampling settings are baked into the graphs (a change of temperature, top-k or top-p
-captures new ones). On CPU steps are eager with the exact B and L.
+A decode step attends over the first L positions of rows 0..B-1, L covering every row until the
+next check. On CUDA each step (forward, sampling, bookkeeping) is captured in a CUDA graph per
+bucket (B in 1, 2, 4, ..., rows; L a multiple of 128; the sampling settings) over static buffers,
+after one eager step that also warms up cuBLAS and NCCL. On CPU steps are eager.
 
-Sampling on the device, over a split vocabulary
------------------------------------------------
-Each rank holds a slice of the logits [B, V/tp]. The random numbers are counter-based: the
-uniform u for the token at position t of sample (i, j) is a hash of (seed, i, j, t). So a draw
-depends on neither the batch composition, nor the row, nor the cache size, nor tp, and every TP
-rank computes the same u without communication.
+**Sampling on the device, over a split vocabulary.** Each rank holds a slice of the logits
+[B, V/tp]. The random numbers are counter-based: the uniform u for the token at position t of
+sample (i, j) is a hash of (seed, i, j, t), so a draw depends on neither the batch composition, the
+row, the cache size nor tp, and TP ranks agree without talking.
 
 * Greedy: each rank takes its local max; one all-gather of (max, argmax, log-sum-exp parts)
   picks the winner (ties go to the lowest id, like torch.argmax).
-* Temperature sampling is inverse-CDF sampling: each rank takes p = softmax(logits / T) over its
-  slice and its normaliser; one all-gather of (normaliser, mass) per rank tells every rank which
-  slice holds the point u * total, and that rank finds the token in two levels (block sums of
-  ~sqrt(V/tp) tokens, then the running sum inside one block: no [B, V] running sum). One
-  all-reduce shares (token, log-prob). Exact: P(token) = softmax(logits / T); never a full-vocab
-  gather.
-* top-k / top-p: the global top k tokens are among the union of every rank's local top k, so each
-  rank sends its top-k candidates (values and ids) in one all-gather and every rank sorts the
-  tp*k candidates, applies the nucleus on the top-k-renormalised probabilities (as transformers
-  does), and samples by inverse CDF. With top-p alone the candidates are whole slices: for tp > 1
-  that gathers the vocabulary, so pair top_p with a top_k to bound it.
+* Temperature sampling is exact inverse-CDF sampling of softmax(logits / T): one all-gather of
+  each slice's (normaliser, mass) tells which slice holds the point u * total; that rank finds the
+  token in two levels (block sums of ~sqrt(V/tp) tokens, then the running sum inside one block, so
+  no [B, V] running sum and no vocabulary gather), and one all-reduce shares (token, log-prob).
+* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather
+  of those candidates lets every rank sort them, apply the nucleus on the top-k-renormalised
+  probabilities (as transformers does), and sample by inverse CDF. With top-p alone the candidates
+  are whole slices (for tp > 1 a vocabulary gather): pair top_p with a top_k to bound it.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary:
 the distribution the trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled
@@ -60,12 +47,12 @@ from (that mismatch is what rollout-correction weights measure). Greedy returns 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -89,16 +76,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def check(self) -> None:
-        bad = [(k, v, want) for k, v, want, ok in (
-            ("n", self.n, "an int >= 1", isinstance(self.n, int) and self.n >= 1),
-            ("temperature", self.temperature, ">= 0 (0 = greedy)", self.temperature >= 0),
-            ("top_p", self.top_p, "in (0, 1]", 0 < self.top_p <= 1),
-            ("top_k", self.top_k, "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
-            ("max_new_tokens", self.max_new_tokens, "an int >= 1",
-             isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1)) if not ok]
-        if bad:
-            k, v, want = bad[0]
-            raise ValueError(f"SamplingParams.{k}={v!r}: expected {want}")
+        for k, want, ok in (
+                ("n", "an int >= 1", isinstance(self.n, int) and self.n >= 1),
+                ("temperature", ">= 0 (0 = greedy)", self.temperature >= 0),
+                ("top_p", "in (0, 1]", 0 < self.top_p <= 1),
+                ("top_k", "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
+                ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1)):
+            if not ok:
+                raise ValueError(f"SamplingParams.{k}={getattr(self, k)!r}: expected {want}")
 
 
 @dataclass
@@ -119,10 +104,8 @@ _GOLDEN = 0x9E3779B1
 def _fmix32(x):
     """MurmurHash3's 32-bit finalizer, a bijection with full avalanche. Works on Python ints and on
     int64 tensors holding values in [0, 2^32) (the products wrap mod 2^64; the mask keeps 32 bits)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _M32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _M32
     return x ^ (x >> 16)
 
 
@@ -165,12 +148,11 @@ def _inverse_cdf(c: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _block_sums(p: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Masses of consecutive blocks of ~sqrt(V) tokens (the last block may be short): [B, blocks]."""
+    """Masses of consecutive blocks of ~sqrt(V) tokens (the last one short, maybe empty): [B, blocks]."""
     B, V = p.shape
     blk = max(16, 1 << (math.isqrt(V).bit_length() - 1))
-    full = V // blk
-    sums = p[:, :full * blk].view(B, full, blk).sum(-1)
-    return (sums if full * blk == V else torch.cat([sums, p[:, full * blk:].sum(-1, keepdim=True)], -1)), blk
+    n = V // blk
+    return torch.cat([p[:, :n * blk].view(B, n, blk).sum(-1), p[:, n * blk:].sum(-1, keepdim=True)], -1), blk
 
 
 def _search(p: torch.Tensor, sums: torch.Tensor, blk: int, target: torch.Tensor) -> torch.Tensor:
@@ -190,8 +172,6 @@ def greedy_tokens(logits: torch.Tensor, group, vocab_start: int = 0, limit: int 
     lse = torch.logsumexp(logits, -1)
     z = logits if limit is None else logits.masked_fill(_beyond(logits, limit), float("-inf"))
     val, idx = z.max(-1)
-    if group is None:
-        return idx + vocab_start, val - lse
     g = _tp_gather(torch.stack([val, (idx + vocab_start).float(), lse], -1), group)  # [tp, B, 3]
     win = g[..., 0].argmax(0)  # the first maximum: lowest rank, so lowest id on ties
     pick = g.gather(0, win[None, :, None].expand(1, -1, 3))[0]
@@ -222,10 +202,8 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, gro
     excl = torch.cat([torch.zeros_like(incl[:1]), incl[:-1]])
     idx = _search(p, sums, blk, ((target - excl[rank]) / share[rank]).clamp(min=0))
     lp = p.gather(1, idx[:, None])[:, 0].log() + lse - lse_all
-    mine = owner == rank
     # where, not multiply: another rank's (unused) result may come from inf/nan arithmetic
-    both = torch.stack([torch.where(mine, (idx + vocab_start + 1).double(), 0.0),
-                        torch.where(mine, lp.double(), 0.0)], -1)
+    both = torch.where((owner == rank)[:, None], torch.stack([(idx + vocab_start + 1).double(), lp.double()], -1), 0.0)
     dist.all_reduce(both, group=group)
     return both[:, 0].long() - 1, both[:, 1].float()
 
@@ -250,11 +228,9 @@ def sample_top_k_top_p(logits: torch.Tensor, u: torch.Tensor, temperature: float
     if top_k > 0:
         cv, ci = cv[:, :top_k], ci[:, :top_k]
     p = (cv - lse[:, None]).exp()
-    if top_p is not None:  # keep a token while the mass strictly above it is < top_p; always the first
+    if top_p is not None:  # keep a token while the mass strictly above it is < top_p (so always the first)
         q = p / p.sum(-1, keepdim=True)
-        keep = (q.cumsum(-1) - q) < top_p
-        keep[:, 0] = True
-        p = p * keep
+        p = p * ((q.cumsum(-1) - q) < top_p)
     c = p.cumsum(-1)
     idx = _inverse_cdf(c, _below(u * c[:, -1], c[:, -1]))[:, None]
     return ci.gather(1, idx)[:, 0].long(), cv.gather(1, idx)[:, 0] - lse
@@ -268,15 +244,14 @@ def _beyond(x: torch.Tensor, limit: int) -> torch.Tensor:
 
 
 class Generator:
-    """Generation from a full (pp == 1) model, tensor-parallel over `model.layout.tp_group`: every rank
-    of that group calls generate() with the same prompts and gets the same completions.
+    """Generation from a full (pp == 1) model, tensor-parallel over `model.layout.tp_group`: every rank of
+    that group calls generate() with the same prompts and gets the same completions.
 
-    The KV cache holds `rows x max_len` tokens. The budget is `kv_cache_tokens`, or on CUDA
-    `gpu_memory_fraction` of the free memory (the minimum over the TP group), or on CPU
-    max_rows * max_len. With max_len None the cache is sized at the first generate() call to its
-    longest prompt + max_new_tokens (and regrown if a later call needs more). `vocab_size` keeps the
-    ids past the tokenizer's vocabulary from being drawn (their logits stay in the softmax).
-    `free()` drops the cache and the graphs; the model is untouched.
+    The KV cache budget is `kv_cache_tokens`, or on CUDA `gpu_memory_fraction` of the free memory (the
+    minimum over the TP group), or on CPU max_rows * max_len. With max_len None the cache is sized at the
+    first generate() to its longest prompt + max_new_tokens (regrown if a later call needs more).
+    `vocab_size` keeps ids past the tokenizer's vocabulary from being drawn (their logits stay in the
+    softmax). `free()` drops the cache and the graphs; the model is untouched.
     """
 
     def __init__(self, model: Transformer, max_rows: int = 256, max_len: int | None = None,
@@ -287,12 +262,11 @@ class Generator:
         if model.layout.pp != 1 or model.embed_tokens is None or model.lm_head is None:
             raise ValueError("Generator needs a whole model (pp=1 with embedding and LM head); "
                              f"got pp={model.layout.pp}")
-        for name, v, lo in (("max_rows", max_rows, 1), ("sync_every", sync_every, 1),
-                            ("max_prefill_tokens", max_prefill_tokens, 1),
-                            ("max_len", 1 if max_len is None else max_len, 1),
-                            ("kv_cache_tokens", 1 if kv_cache_tokens is None else kv_cache_tokens, 1)):
-            if not (isinstance(v, int) and v >= lo):
-                raise ValueError(f"Generator {name}={v!r}: expected an int >= {lo}")
+        for name, v in (("max_rows", max_rows), ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens),
+                        ("max_len", 1 if max_len is None else max_len),
+                        ("kv_cache_tokens", 1 if kv_cache_tokens is None else kv_cache_tokens)):
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"Generator {name}={v!r}: expected an int >= 1")
         if not 0 < gpu_memory_fraction <= 1:
             raise ValueError(f"Generator gpu_memory_fraction={gpu_memory_fraction}: expected a value in (0, 1]")
         if vocab_size is not None and not 1 <= vocab_size <= cfg.vocab_size:
@@ -303,9 +277,8 @@ class Generator:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.vocab_start = model.lm_head.start
-        v_local = model.lm_head.weight.shape[0]
-        self.limit = (None if vocab_size in (None, cfg.vocab_size)
-                      else max(0, min(v_local, vocab_size - self.vocab_start)))  # allowed ids in this slice
+        self.limit = (None if vocab_size in (None, cfg.vocab_size)  # allowed ids in this slice
+                      else max(0, min(model.lm_head.weight.shape[0], vocab_size - self.vocab_start)))
         self.max_rows, self.fixed_len, self.kv_cache_tokens = max_rows, max_len, kv_cache_tokens
         self.memory_fraction, self.sync_every = gpu_memory_fraction, sync_every
         self.max_prefill_tokens = max_prefill_tokens
@@ -341,18 +314,15 @@ class Generator:
         self.cache = KVCache(len(m.layers), rows, hkv, max_len, cfg.head_dim, self.dtype, self.device)
         kw = dict(device=self.device)
         # the static state the decode graphs read and write
-        self.tok = torch.zeros(rows, dtype=torch.long, **kw)
+        self.tok, self.keys, self.ngen = (torch.zeros(rows, dtype=torch.long, **kw) for _ in range(3))
         self.lengths = torch.ones(rows, dtype=torch.int32, **kw)  # tokens in the row once `tok` is written
-        self.keys = torch.zeros(rows, dtype=torch.long, **kw)
-        self.ngen = torch.zeros(rows, dtype=torch.long, **kw)
         self.done = torch.ones(rows, dtype=torch.bool, **kw)
         self.out_tok = torch.zeros(rows, max_len + 1, dtype=torch.long, **kw)  # +1: a done row's scratch column
         self.out_lp = torch.zeros(rows, max_len + 1, dtype=torch.float32, **kw)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, **kw)
         self.max_new = torch.ones(rows, dtype=torch.long, **kw)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        buckets = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
-        self.buckets = buckets if self.use_graphs else None
+        self.buckets = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows] if self.use_graphs else None
 
     def free(self) -> None:
         """Release the KV cache, the static buffers and the CUDA graphs (and their memory pool)."""
@@ -388,8 +358,7 @@ class Generator:
         self.out_lp[:B].scatter_(1, ngen[:, None], lp[:, None])
         live = ~done
         ngen.add_(live.long())
-        stop = (nxt[:, None] == self.stop_ids).any(-1)
-        done.logical_or_(live & (stop | (ngen >= self.max_new[:B])))
+        done.logical_or_(live & ((nxt[:, None] == self.stop_ids).any(-1) | (ngen >= self.max_new[:B])))
         tok.copy_(nxt)
         lengths.add_(1).clamp_(max=self.cache.max_len)  # done rows keep stepping in place
 
@@ -412,9 +381,8 @@ class Generator:
         self.graphs[key] = graph
         self.stats["graphs_captured"] += 1
 
-    # --- prefill of newly admitted sequences
     def _prefill(self, chunk: list, prompts: list[list[int]], seed: int, max_new: list[int]) -> None:
-        """chunk: [(prompt_index, sample_indices, rows)]. One packed forward; first tokens sampled."""
+        """Prefill chunk = [(prompt_index, sample_indices, rows)] in one packed forward; sample first tokens."""
         dev, lens = self.device, [len(prompts[p]) for p, _, _ in chunk]
         ids = torch.tensor([t for p, _, _ in chunk for t in prompts[p]], dtype=torch.long).to(dev)
         pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
@@ -464,8 +432,7 @@ class Generator:
         greedy = params.temperature == 0
         self.mode = (float(params.temperature), 0 if greedy else max(params.top_k, 0),
                      None if greedy or params.top_p == 1 else float(params.top_p))
-        self.stop_ids.fill_(-1)
-        self.stop_ids[:len(stops)] = torch.tensor(stops, dtype=torch.long)
+        self.stop_ids.copy_(torch.tensor(stops + [-1] * (MAX_STOP_IDS - len(stops))))
         self.done.fill_(True)
         self.lengths.fill_(1)
         with torch.no_grad():
@@ -485,48 +452,39 @@ class Generator:
 
     def _run(self, prompts, params: SamplingParams, max_new: list[int], stops: set, progress: bool) -> list[Completion]:
         n, R = params.n, self.cache.rows
-        waiting = deque([p, 0, n] for p in range(len(prompts)))  # [prompt, next sample, samples left]
+        admitted, total = 0, len(prompts) * n  # samples are admitted prompt-major: (p, s) is number p * n + s
         owner: list = [None] * R  # row -> (prompt, sample, prompt length, tokens generated as of the last sync)
         results: dict = {}
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(prompts) * n, unit="seq", desc="generate", dynamic_ncols=True)
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="seq", desc="generate", dynamic_ncols=True, disable=not progress)
         while True:
             # admit waiting samples into free rows, lowest rows first; prefill in token-budget chunks
             free = [r for r in range(R) if owner[r] is None]
-            admitted = []
-            while waiting and free:
-                p, s0, left = waiting[0]
-                k = min(left, len(free))
-                admitted.append((p, list(range(s0, s0 + k)), free[:k]))
-                free = free[k:]
-                if k == left:
-                    waiting.popleft()
-                else:
-                    waiting[0] = [p, s0 + k, left - k]
             chunk, tokens = [], 0
-            for item in admitted:
-                if chunk and tokens + len(prompts[item[0]]) > self.max_prefill_tokens:
+            while admitted < total and free:
+                p, s0 = divmod(admitted, n)
+                k = min(n - s0, len(free))
+                if chunk and tokens + len(prompts[p]) > self.max_prefill_tokens:
                     self._prefill(chunk, prompts, params.seed, max_new)
                     chunk, tokens = [], 0
-                chunk.append(item)
-                tokens += len(prompts[item[0]])
-                for s, r in zip(item[1], item[2]):
-                    owner[r] = (item[0], s, len(prompts[item[0]]), 1)
+                chunk.append((p, list(range(s0, s0 + k)), free[:k]))
+                tokens += len(prompts[p])
+                for s, r in zip(range(s0, s0 + k), free[:k]):
+                    owner[r] = (p, s, len(prompts[p]), 1)
+                free = free[k:]
+                admitted += k
             if chunk:
                 self._prefill(chunk, prompts, params.seed, max_new)
             live = [r for r in range(R) if owner[r] is not None]
             if not live:
                 break
-            if not waiting:
+            if admitted == total:
                 live = self._compact(live, owner)
             B = self._bucket(live[-1] + 1)
             steps = min(self.sync_every, max(max_new[owner[r][0]] - owner[r][3] for r in live))
             # every row stays below L through the window: live rows grow from prompt + generated
-            L = min(self.cache.max_len, max(owner[r][2] + owner[r][3] for r in live) + steps)
-            if self.use_graphs:
-                L = min(self.cache.max_len, -(-L // LEN_BUCKET) * LEN_BUCKET)
+            L = max(owner[r][2] + owner[r][3] for r in live) + steps
+            L = min(self.cache.max_len, -(-L // LEN_BUCKET) * LEN_BUCKET if self.use_graphs else L)
             for _ in range(steps):
                 self._step(B, L)
             self.stats["decode_steps"] += steps
@@ -539,18 +497,14 @@ class Generator:
             if finished:
                 idx = torch.tensor(finished, device=self.device)
                 width = max(ngen[r] for r in finished)
-                toks = self.out_tok[idx, :width].cpu().tolist()
-                lps = self.out_lp[idx, :width].cpu().tolist()
+                toks, lps = (buf[idx, :width].cpu().tolist() for buf in (self.out_tok, self.out_lp))
                 for r, t, lp in zip(finished, toks, lps):
                     p, s, _, k = owner[r]
-                    reason = "stop" if t[k - 1] in stops else "length"
-                    results[(p, s)] = Completion(p, s, t[:k], lp[:k], reason)
+                    results[(p, s)] = Completion(p, s, t[:k], lp[:k], "stop" if t[k - 1] in stops else "length")
                     owner[r] = None
                 self.lengths[idx] = 1  # idle rows: keep their attention short
-                if bar is not None:
-                    bar.update(len(finished))
-        if bar is not None:
-            bar.close()
+                bar.update(len(finished))
+        bar.close()
         return [results[(p, s)] for p in range(len(prompts)) for s in range(n)]
 
     def _bucket(self, rows: int) -> int:
@@ -571,23 +525,18 @@ class Generator:
         for a, b in zip(src, dst):
             owner[b], owner[a] = owner[a], None
         self.stats["compactions"] += 1
-        return sorted(r for r in range(len(owner)) if owner[r] is not None)
+        return list(range(len(live)))  # the holes below len(live) were exactly as many as the live rows above
 
 
-_SIDE_STREAMS: dict = {}
-
-
+@functools.cache
 def _side_stream(device: torch.device):
     """One warm-up stream per device for the whole process: cuBLAS keeps a workspace per stream, so a
     fresh stream per Generator would leave a workspace behind after every free()."""
-    return _SIDE_STREAMS.get(device) or _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    return torch.cuda.Stream(device)
 
 
 def _as_tuple(x) -> tuple:
     return () if x is None else (tuple(x) if isinstance(x, (list, tuple, set)) else (x,))
-
-
-# ----------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -604,7 +553,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     tok = AutoTokenizer.from_pretrained(args.model_dir)
