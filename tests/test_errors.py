@@ -1,0 +1,477 @@
+"""Every user-facing bad input gives a clear error and leaves nothing half-written on disk.
+
+One table: each case builds a bad input, calls the public entry point a user would reach
+(train.load_config / train.main, parallel.validate_layout, model.ModelConfig.from_dir /
+model.load_model, data.load_tokenizer / data.PromptDataset / data.prepare_gsm8k,
+rewards.load_reward_fn / rewards.score_batch, reshard.load_into / the reshard CLI) and checks
+the exception type and a regex on its message: the message must name what is wrong, where
+(the file, key or value) and what was expected. Cases with a `leftovers` check also assert
+that the failed call wrote nothing (no output directory, no *.tmp directory, no cache file).
+
+Everything is built once per module from the synthetic task's tiny model (2 layers, 4 heads,
+2 kv heads, intermediate 128, vocab 24): no transformers model classes, no processes.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable
+from unittest import mock
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+import data
+import reshard
+import rewards
+import train
+from data import prepare_synthetic
+from model import ModelConfig, load_model
+from parallel import Layout, validate_layout
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny.yaml")
+N_TRAIN = 64
+
+# ----------------------------------------------------------------------------- shared inputs (built once)
+
+
+@dataclass
+class Env:
+    synth: str        # prepare_synthetic output: train/test parquet + model/ (tokenizer + config.json, no weights)
+    model_dir: str    # synth/model
+    hf: str           # a Hugging Face directory of the same model, with weights (exported from ck)
+    ck: str           # a good tp=1 checkpoint (meta.json + model_pp0_tp0.safetensors + tokenizer)
+    ck_other: str     # a good checkpoint of a different model shape (intermediate_size=256)
+    ck_trunc: str     # ck with its weight shard cut in half
+    ck_mixed: str     # a tp=2 checkpoint whose tp1 shard comes from the other model
+    tok: Any          # the synthetic tokenizer
+
+
+def _write_ckpt(model_dir: str, out: str, tp: int = 1) -> None:
+    os.makedirs(out, exist_ok=True)
+    for r in range(tp):
+        lay = Layout(tp=tp, tp_rank=r)
+        m = load_model(model_dir, lay, random_init=True, seed=1)
+        reshard.save_model_shard(m, lay, out)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump({"step": 1, "tp": tp, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, f)
+    for fn in os.listdir(model_dir):
+        if fn.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(os.path.join(model_dir, fn), out)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> Env:
+    root = str(tmp_path_factory.mktemp("errors"))
+    synth = os.path.join(root, "synth")
+    prepare_synthetic(synth, task="copy", n_train=N_TRAIN, n_test=8, seed=0)
+    model_dir = os.path.join(synth, "model")
+    # the same model with intermediate_size 256: another shape, same tensor names
+    other_dir = os.path.join(root, "other_model")
+    shutil.copytree(model_dir, other_dir)
+    cfg = json.load(open(os.path.join(other_dir, "config.json")))
+    json.dump({**cfg, "intermediate_size": 256}, open(os.path.join(other_dir, "config.json"), "w"))
+
+    ck, ck_other = os.path.join(root, "ck"), os.path.join(root, "ck_other")
+    _write_ckpt(model_dir, ck)
+    _write_ckpt(other_dir, ck_other)
+    hf = os.path.join(root, "hf")
+    reshard.export_hf(ck, hf)
+
+    ck_trunc = os.path.join(root, "ck_trunc")
+    shutil.copytree(ck, ck_trunc)
+    shard = os.path.join(ck_trunc, "model_pp0_tp0.safetensors")
+    blob = open(shard, "rb").read()
+    open(shard, "wb").write(blob[:len(blob) // 2])
+
+    # tp=2 checkpoint of the synthetic model, then its tp1 shard replaced by the other model's
+    ck_mixed, other_tp2 = os.path.join(root, "ck_mixed"), os.path.join(root, "other_tp2")
+    _write_ckpt(model_dir, ck_mixed, tp=2)
+    _write_ckpt(other_dir, other_tp2, tp=2)
+    shutil.copy(os.path.join(other_tp2, "model_pp0_tp1.safetensors"), ck_mixed)
+    return Env(synth, model_dir, hf, ck, ck_other, ck_trunc, ck_mixed, data.load_tokenizer(model_dir))
+
+
+# ----------------------------------------------------------------------------- small builders
+
+
+def _cfg(*ov):
+    return lambda env, tmp: train.load_config(CONFIG, list(ov))
+
+
+def _yaml_file(tmp, name: str, text: str) -> str:
+    p = os.path.join(tmp, name)
+    with open(p, "w") as f:
+        f.write(text)
+    return p
+
+
+def _config_without_model_path(env, tmp):
+    raw = yaml.safe_load(open(CONFIG))
+    del raw["actor"]["model_path"]
+    return train.load_config(_yaml_file(tmp, "no_model.yaml", yaml.safe_dump(raw)))
+
+
+def _mcfg(env) -> ModelConfig:
+    return ModelConfig.from_dir(env.model_dir)
+
+
+def _model_dir(tmp, config: dict | str | None, weights_from: str | None = None, tokenizer_from: str | None = None):
+    """A model directory with the given config.json (a dict, raw text, or none at all)."""
+    d = os.path.join(tmp, "model")
+    os.makedirs(d, exist_ok=True)
+    if config is not None:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write(config if isinstance(config, str) else json.dumps(config))
+    if weights_from:
+        for fn in os.listdir(weights_from):
+            if "safetensors" in fn:
+                shutil.copy(os.path.join(weights_from, fn), d)
+    if tokenizer_from:
+        for fn in os.listdir(tokenizer_from):
+            if fn.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                shutil.copy(os.path.join(tokenizer_from, fn), d)
+    return d
+
+
+def _synth_config(env, **changes) -> dict:
+    c = json.load(open(os.path.join(env.model_dir, "config.json")))
+    for k, v in changes.items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    return c
+
+
+def _truncated_hf(env, tmp):
+    d = _model_dir(tmp, _synth_config(env), weights_from=env.hf)
+    for fn in glob.glob(os.path.join(d, "*.safetensors")):
+        blob = open(fn, "rb").read()
+        open(fn, "wb").write(blob[:len(blob) // 2])
+    return load_model(d)
+
+
+def _dataset(env, tmp, files, **kw):
+    kw.setdefault("max_prompt_length", 16)
+    return data.PromptDataset(files, env.tok, cache_dir=os.path.join(tmp, "cache"), **kw)
+
+
+def _parquet(tmp, name: str, rows: list[dict]) -> str:
+    p = os.path.join(tmp, name)
+    pq.write_table(pa.Table.from_pylist(rows), p)
+    return p
+
+
+def _cache_leftovers(env, tmp):
+    return glob.glob(os.path.join(tmp, "cache", "*"))
+
+
+def _gsm8k(tmp, train_lines: list[str] | None, test_lines: list[str] | None):
+    src, out = os.path.join(tmp, "src"), os.path.join(tmp, "out")
+    os.makedirs(src)
+    for split, lines in (("train", train_lines), ("test", test_lines)):
+        if lines is not None:
+            with open(os.path.join(src, f"{split}.jsonl"), "w") as f:
+                f.write("".join(line + "\n" for line in lines))
+    data.prepare_gsm8k(src, out)
+
+
+GSM_OK = json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"})
+
+
+def _gsm8k_leftovers(env, tmp):
+    return glob.glob(os.path.join(tmp, "out", "*.parquet")) + glob.glob(os.path.join(tmp, "out", "*.tmp*"))
+
+
+def _reward_file(tmp, text: str, name: str = "rew.py") -> str:
+    return _yaml_file(tmp, name, text)
+
+
+GOOD_SCORER = "def compute(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+
+
+def _train_main(env, tmp, *extra):
+    out = os.path.join(tmp, "run")
+    train.main([CONFIG, f"data.train_files=[{env.synth}/train.parquet]", f"data.val_files=[{env.synth}/test.parquet]",
+                f"actor.model_path={env.model_dir}", f"trainer.output_dir={out}", f"data.cache_dir={out}/cache",
+                "trainer.total_steps=1", *extra])
+
+
+def _run_leftovers(env, tmp):
+    return [p for p in (os.path.join(tmp, "run", "metrics.jsonl"), os.path.join(tmp, "run", "checkpoints"))
+            if os.path.exists(p)]
+
+
+def _export(ck_attr: str):
+    return lambda env, tmp: reshard.main([getattr(env, ck_attr), "--to-hf", os.path.join(tmp, "out")])
+
+
+def _export_leftovers(env, tmp):
+    return [p for p in (os.path.join(tmp, "out"), os.path.join(tmp, "out.tmp")) if os.path.exists(p)]
+
+
+def _ck_with_meta(env, tmp, meta_text: str):
+    d = os.path.join(tmp, "ck")
+    shutil.copytree(env.ck, d)
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        f.write(meta_text)
+    return d
+
+
+def _disk_full(target: str, call: Callable):
+    """call(env, tmp) while `target` (a dotted name) fails as a full disk does."""
+    def run(env, tmp):
+        with mock.patch(target, side_effect=OSError(errno.ENOSPC, "No space left on device")):
+            return call(env, tmp)
+    return run
+
+
+def _export_existing(env, tmp):
+    out = os.path.join(tmp, "out")
+    os.makedirs(out)
+    open(os.path.join(out, "keep.txt"), "w").write("mine")
+    reshard.main([env.ck, "--to-hf", out])
+
+
+def _existing_untouched(env, tmp):
+    out = os.path.join(tmp, "out")
+    bad = [] if os.listdir(out) == ["keep.txt"] else [out]
+    return bad + [p for p in (out + ".tmp",) if os.path.exists(p)]
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass
+class Case:
+    id: str
+    input: str                    # for the README table
+    call: Callable                # call(env, tmp) must raise `exc`
+    exc: type
+    match: str                    # re.search on str(exception)
+    leftovers: Callable | None = None  # leftovers(env, tmp) -> paths that must not exist after the failure
+
+
+CASES = [
+    # --- config: train.load_config(path, overrides)
+    Case("config-unknown-key", "actor.clip_ratio_hihg=0.3", _cfg("actor.clip_ratio_hihg=0.3"), KeyError,
+         r"tiny\.yaml: unknown config key 'actor\.clip_ratio_hihg'; did you mean 'actor\.clip_ratio_high'\?"),
+    Case("config-unknown-section", "trainr.total_steps=5", _cfg("trainr.total_steps=5"), KeyError,
+         r"tiny\.yaml: unknown config key 'trainr'; did you mean 'trainer'\?"),
+    Case("config-wrong-type", "actor.ppo_epochs=two", _cfg("actor.ppo_epochs=two"), TypeError,
+         r"tiny\.yaml: actor\.ppo_epochs must be int, got 'two'"),
+    Case("config-wrong-bool", "data.shuffle=maybe", _cfg("data.shuffle=maybe"), TypeError,
+         r"tiny\.yaml: data\.shuffle must be true or false, got 'maybe'"),
+    Case("config-bad-enum", "actor.loss_agg_mode=mean", _cfg("actor.loss_agg_mode=mean"), ValueError,
+         r"tiny\.yaml: actor\.loss_agg_mode='mean' is not one of \['token-mean', 'seq-mean-token-sum'"),
+    Case("config-bad-dtype", "actor.dtype=fp16", _cfg("actor.dtype=fp16"), ValueError,
+         r"tiny\.yaml: actor\.dtype='fp16' is not one of \['auto', 'bf16', 'fp32'\]"),
+    Case("config-batch-not-multiple", "data.train_batch_size=24 (ppo_mini_batch_size 16)",
+         _cfg("data.train_batch_size=24"), ValueError,
+         r"tiny\.yaml: data\.train_batch_size=24 must be a multiple of actor\.ppo_mini_batch_size=16"),
+    Case("config-grpo-n1", "rollout.n=1 with adv_estimator grpo", _cfg("rollout.n=1"), ValueError,
+         r"tiny\.yaml: algorithm\.adv_estimator=grpo compares .*rollout\.n=1 must be >= 2"),
+    Case("config-missing-model-path", "YAML without actor.model_path", _config_without_model_path, ValueError,
+         r"no_model\.yaml: actor\.model_path is required"),
+    Case("config-missing-file", "load_config('nope.yaml')",
+         lambda env, tmp: train.load_config(os.path.join(tmp, "nope.yaml")), FileNotFoundError,
+         r"config file '.*nope\.yaml' does not exist"),
+    Case("config-override-no-equals", "override 'trainer.total_steps'", _cfg("trainer.total_steps"), ValueError,
+         r"override 'trainer\.total_steps' must look like key\.path=value"),
+    Case("config-override-into-scalar", "trainer.total_steps.x=1", _cfg("trainer.total_steps.x=1"), TypeError,
+         r"override 'trainer\.total_steps\.x=1': .*total_steps is not a mapping"),
+    Case("config-section-not-mapping", "actor=5", _cfg("actor=5"), TypeError,
+         r"tiny\.yaml: actor must be a mapping, got 5"),
+    Case("config-yaml-syntax", "YAML file 'data: [a, b'",
+         lambda env, tmp: train.load_config(_yaml_file(tmp, "bad.yaml", "data: [a, b\n")), yaml.YAMLError,
+         r'bad\.yaml", line \d+'),
+    Case("config-not-a-mapping", "YAML file holding a list",
+         lambda env, tmp: train.load_config(_yaml_file(tmp, "list.yaml", "- data\n- actor\n")), TypeError,
+         r"list\.yaml: .*must be a mapping.*got list"),
+
+    # --- layout: parallel.validate_layout(mcfg, tp, pp, world, name)
+    Case("layout-world-not-divisible", "tp=3, pp=1 on 4 ranks",
+         lambda env, tmp: validate_layout(_mcfg(env), 3, 1, 4, name="actor"), ValueError,
+         r"actor: world size 4 is not divisible by tp\*pp = 3\*1; valid"),
+    Case("layout-heads-not-divisible", "tp=8 (4 attention heads) on 8 ranks",
+         lambda env, tmp: validate_layout(_mcfg(env), 8, 1, 8, name="actor"), ValueError,
+         r"actor: num_attention_heads=4 is not divisible by tp=8; valid tp sizes for this model and 8 ranks: "
+         r"\[1, 2\]"),
+    Case("layout-kv-heads-not-divisible", "tp=4 (2 kv heads) on 4 ranks",
+         lambda env, tmp: validate_layout(_mcfg(env), 4, 1, 4, name="actor"), ValueError,
+         r"actor: num_key_value_heads=2 is not divisible by tp=4; valid tp sizes for this model and 4 ranks: "
+         r"\[1, 2\]"),
+    Case("layout-pp-exceeds-layers", "pp=4 (2 layers) on 4 ranks",
+         lambda env, tmp: validate_layout(_mcfg(env), 1, 4, 4, name="actor"), ValueError,
+         r"actor: pp=4 exceeds num_hidden_layers=2"),
+
+    # --- model directory: model.ModelConfig.from_dir / model.load_model
+    Case("model-missing-dir", "from_dir('nope/')",
+         lambda env, tmp: ModelConfig.from_dir(os.path.join(tmp, "nope")), FileNotFoundError,
+         r"model directory '.*nope' does not exist"),
+    Case("model-no-config-json", "directory with a tokenizer, no config.json",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, None, tokenizer_from=env.model_dir)),
+         FileNotFoundError, r"model directory '.*model' has no config\.json"),
+    Case("model-config-bad-json", "config.json cut mid-object",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, '{"architectures": ["Qwen2ForCausalLM"],')),
+         ValueError, r"model[/\\]config\.json: not valid JSON"),
+    Case("model-unsupported-architecture", "architectures: [GPT2LMHeadModel]",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, architectures=["GPT2LMHeadModel"], model_type="gpt2"))), ValueError,
+         r"config\.json: architecture 'GPT2LMHeadModel' is not supported; supported: \['LlamaForCausalLM'"),
+    Case("model-unsupported-model-type", "model_type: gpt2, no architectures",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, architectures=None, model_type="gpt2"))), ValueError,
+         r"config\.json: .*'gpt2'.* not supported; supported: "),
+    Case("model-config-missing-key", "config.json without hidden_size",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(env, hidden_size=None))), ValueError,
+         r"config\.json: missing required key.*'hidden_size'"),
+    Case("model-no-weights", "load_model(dir without *.safetensors), random_init=False",
+         lambda env, tmp: load_model(env.model_dir), FileNotFoundError,
+         r"model directory '.*model' has no \*\.safetensors weights"),
+    Case("model-truncated-weights", "model-00001-of-00001.safetensors cut in half", _truncated_hf, ValueError,
+         r"model-00001-of-00001\.safetensors: .*(truncated|corrupt)"),
+    Case("model-weight-shape-mismatch", "config.json intermediate_size=256, weights of 128",
+         lambda env, tmp: load_model(_model_dir(tmp, _synth_config(env, intermediate_size=256),
+                                                weights_from=env.hf)), ValueError,
+         r"\.safetensors: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[128, 64\], "
+         r"expected \[256, 64\] from config\.json"),
+
+    # --- tokenizer: data.load_tokenizer
+    Case("tokenizer-no-files", "model dir with config.json only",
+         lambda env, tmp: data.load_tokenizer(_model_dir(tmp, _synth_config(env))), FileNotFoundError,
+         r"'.*model' holds no tokenizer files \(expected one of \['tokenizer\.json', .*\]\); it has \['config\.json'\]"),
+    Case("tokenizer-missing-dir", "load_tokenizer('nope/')",
+         lambda env, tmp: data.load_tokenizer(os.path.join(tmp, "nope")), FileNotFoundError,
+         r"tokenizer directory '.*nope' does not exist"),
+
+    # --- data: data.PromptDataset
+    Case("data-missing-file", "train_files=[missing.parquet]",
+         lambda env, tmp: _dataset(env, tmp, [os.path.join(tmp, "missing.parquet")]), FileNotFoundError,
+         r"data file '.*missing\.parquet' does not exist", _cache_leftovers),
+    Case("data-not-parquet", "a text file named garbage.parquet",
+         lambda env, tmp: _dataset(env, tmp, [_yaml_file(tmp, "garbage.parquet", "not parquet\n")]), ValueError,
+         r"garbage\.parquet: not a readable parquet file", _cache_leftovers),
+    Case("data-missing-prompt-key", "prompt_key='question' (file has 'prompt')",
+         lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"], prompt_key="question"), ValueError,
+         r"train\.parquet: missing column\(s\) \['question'\]; the file has columns \[.*'prompt'", _cache_leftovers),
+    Case("data-all-filtered", "max_prompt_length=2, filter_overlong=True",
+         lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"], max_prompt_length=2), ValueError,
+         rf"no prompts left in .*train\.parquet.*: all {N_TRAIN} are longer than max_prompt_length=2",
+         _cache_leftovers),
+    Case("data-overlong-error", "max_prompt_length=2, filter_overlong=False, truncation='error'",
+         lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"], max_prompt_length=2,
+                                   filter_overlong=False, truncation="error"), ValueError,
+         r"train\.parquet: row 0: prompt is \d+ tokens, over max_prompt_length=2", _cache_leftovers),
+    Case("data-bad-truncation", "truncation='both'",
+         lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"], truncation="both"), ValueError,
+         r"truncation='both'; expected one of \('error', 'left', 'right', 'middle'\)", _cache_leftovers),
+    Case("data-bad-prompt-type", "prompt column of ints",
+         lambda env, tmp: _dataset(env, tmp, [_parquet(tmp, "ints.parquet", [
+             {"prompt": 7, "data_source": "t", "reward_model": {"ground_truth": "1"}}])]), TypeError,
+         r"ints\.parquet: row 0: column 'prompt': expected a string or a non-empty list", _cache_leftovers),
+    Case("data-no-ground-truth", "reward_model without ground_truth",
+         lambda env, tmp: _dataset(env, tmp, [_parquet(tmp, "nogt.parquet", [
+             {"prompt": "hi", "data_source": "t", "reward_model": {"style": "rule"}}])]), ValueError,
+         r"nogt\.parquet: row 0: reward_model must be a struct with a ground_truth", _cache_leftovers),
+    Case("data-cache-disk-full", "disk full while writing the prompt cache",
+         _disk_full("pyarrow.ipc.new_file", lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"])),
+         OSError, r"No space left on device", _cache_leftovers),
+    Case("gsm8k-bad-json-line", "GSM8K train.jsonl line 2 is not JSON",
+         lambda env, tmp: _gsm8k(tmp, [GSM_OK, "{not json"], [GSM_OK]), ValueError,
+         r"train\.jsonl: line 2: not valid JSON", _gsm8k_leftovers),
+    Case("gsm8k-missing-split", "GSM8K src without test.jsonl",
+         lambda env, tmp: _gsm8k(tmp, [GSM_OK], None), FileNotFoundError,
+         r"test\.jsonl does not exist \(expected GSM8K's test\.jsonl in ", _gsm8k_leftovers),
+
+    # --- reward function: rewards.load_reward_fn / rewards.score_batch
+    Case("reward-missing-file", "reward.fn=nope.py:compute",
+         lambda env, tmp: rewards.load_reward_fn(os.path.join(tmp, "nope.py") + ":compute"), FileNotFoundError,
+         r"reward function file not found: '.*nope\.py'"),
+    Case("reward-bad-spec", "reward.fn=rew.py (no ':function')",
+         lambda env, tmp: rewards.load_reward_fn(_reward_file(tmp, GOOD_SCORER)), ValueError,
+         r"reward function spec '.*rew\.py' must look like 'path/to/file\.py:function'"),
+    Case("reward-missing-function", "reward.fn=rew.py:nope",
+         lambda env, tmp: rewards.load_reward_fn(_reward_file(tmp, GOOD_SCORER) + ":nope"), ValueError,
+         r"'.*rew\.py' has no function 'nope'; callables present: compute"),
+    Case("reward-wrong-signature", "def score(text)",
+         lambda env, tmp: rewards.load_reward_fn(_reward_file(tmp, "def score(text):\n    return 0.0\n") + ":score"),
+         TypeError, r"reward function '.*rew\.py:score' must have the signature"),
+    Case("reward-import-fails", "reward file importing a missing module",
+         lambda env, tmp: rewards.load_reward_fn(_reward_file(
+             tmp, "import nanorl_no_such_module\n" + GOOD_SCORER, "broken.py") + ":compute"), ImportError,
+         r"reward function file '.*broken\.py' failed to import: .*No module named 'nanorl_no_such_module'"),
+    Case("reward-returns-none", "scorer returning None",
+         lambda env, tmp: rewards.score_batch(lambda **kw: None, ["synthetic/copy"], ["1"], ["1"], None), TypeError,
+         r"reward function returned NoneType for data_source 'synthetic/copy'; expected a number or a dict "
+         r"with a numeric 'score'"),
+
+    # --- checkpoints: train resume, reshard.load_into, the reshard CLI
+    Case("resume-not-checkpoint", "trainer.resume=<an HF model dir>",
+         lambda env, tmp: _train_main(env, tmp, f"trainer.resume={env.model_dir}"), FileNotFoundError,
+         r"trainer\.resume: '.*model' is not a checkpoint directory \(no meta\.json\)", _run_leftovers),
+    Case("resume-different-model", "trainer.resume=<checkpoint with intermediate_size 256>",
+         lambda env, tmp: _train_main(env, tmp, f"trainer.resume={env.ck_other}"), ValueError,
+         r"checkpoint '.*ck_other' is a different model: intermediate_size=256 \(model has 128\)", _run_leftovers),
+    Case("load-into-truncated-shard", "load_into(model, ckpt with model_pp0_tp0.safetensors cut in half)",
+         lambda env, tmp: reshard.load_into(load_model(env.model_dir, random_init=True), env.ck_trunc), ValueError,
+         r"model_pp0_tp0\.safetensors: .*(truncated|corrupt)"),
+    Case("load-into-bad-meta", "meta.json cut mid-object",
+         lambda env, tmp: reshard.load_into(load_model(env.model_dir, random_init=True),
+                                            _ck_with_meta(env, tmp, '{"step": 1, "tp": 1,')), ValueError,
+         r"meta\.json: not valid JSON"),
+    Case("export-truncated-shard", "reshard.py CKPT --to-hf OUT, shard cut in half", _export("ck_trunc"),
+         ValueError, r"model_pp0_tp0\.safetensors: .*(truncated|corrupt)", _export_leftovers),
+    Case("export-mixed-shards", "reshard.py CKPT --to-hf OUT, tp1 shard from another model", _export("ck_mixed"),
+         ValueError, r"model_pp0_tp1\.safetensors: tensor '.*' has shape \[.*\], expected \[.*\]", _export_leftovers),
+    Case("export-disk-full", "reshard.py CKPT --to-hf OUT, disk full while writing a shard",
+         _disk_full("safetensors.torch.save_file", _export("ck")), OSError, r"No space left on device",
+         _export_leftovers),
+    Case("export-not-checkpoint", "reshard.py HF_DIR --to-hf OUT", _export("hf"), FileNotFoundError,
+         r"'.*hf' is not a checkpoint directory \(no meta\.json\)", _export_leftovers),
+    Case("export-out-exists", "reshard.py CKPT --to-hf EXISTING", _export_existing, FileExistsError,
+         r"--to-hf '.*out' already exists; choose a new directory", _existing_untouched),
+]
+
+
+def test_table_is_complete():
+    assert len(CASES) >= 20
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, env: Env, tmp_path):
+    tmp = str(tmp_path)
+    with pytest.raises(case.exc) as info:
+        case.call(env, tmp)
+    msg = str(info.value)
+    assert re.search(case.match, msg), (
+        f"{type(info.value).__name__}: {msg[:500]!r}\n does not match {case.match!r}")
+    if case.leftovers is not None:
+        left = case.leftovers(env, tmp)
+        assert not left, f"the failed call left {left} on disk"
+
+
+def test_score_batch_counts_scorer_errors(caplog):
+    """A scorer that raises on some samples scores them 0.0 and counts them; the batch goes on."""
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "boom":
+            raise RuntimeError("scorer bug")
+        return float(solution_str == ground_truth)
+
+    with caplog.at_level(logging.WARNING, logger="rewards"):
+        scores, extras, errors = rewards.score_batch(flaky, ["synthetic/copy"] * 4, ["1", "boom", "2", "boom"],
+                                                     ["1", "1", "1", "1"], None)
+    assert errors == 2
+    assert scores == [1.0, 0.0, 0.0, 0.0]
+    assert extras == {}
+    assert "sample 1 (data_source='synthetic/copy')" in caplog.text and "scorer bug" in caplog.text
