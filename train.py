@@ -5,34 +5,33 @@
 
 Every rank runs this same file (SPMD). The actor, its generation engine, the frozen reference
 policy and (for PPO) the critic share the same GPUs in turn: HybridFlow's colocated engine.
+All ranks hold the whole batch of rollouts (small next to the model); the DP split chooses rows.
 
 One step
 --------
-1. **Generate.** The actor is resharded from its training layout (tp x pp x dp) into its
-   generation layout (tp_g, no pipeline, W/tp_g replicas); each replica samples `rollout.n`
-   responses for its share of the `data.train_batch_size` prompts and returns every token's
-   log-prob. Then the weights go back and the KV cache is freed.
-2. **Score.** Rule-based rewards per response (rewards.py), DAPO's overlong shaping, and
-   DAPO's dynamic sampling: groups whose n responses all score the same carry no signal for a
-   group-relative advantage, so they are dropped and more prompts are drawn until the batch is full.
-3. **Recompute.** Log-probs of the responses under the actor ("old" policy, pi_old, in the
-   training layout: these differ slightly from the generator's, see training/rollout_probs_diff_*),
-   under the reference policy (for a KL term) and the critic's values, in packed micro-batches.
-4. **Advantages.** GAE with the critic's values (PPO), or outcome-based group baselines
-   (GRPO, RLOO, REINFORCE++) — algorithms.py.
-5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size`
-   prompts; each mini-batch is one optimizer step over micro-batches of at most
-   `actor.max_tokens_per_micro_batch` tokens, spread evenly over the DP ranks. Every micro-batch
-   loss is divided by the *global* denominator of its mini-batch (tokens or sequences over all
-   micro-batches and DP ranks), so the gradient is the same however the batch was split.
+1. **Generate.** Reshard the actor from its training layout (tp x pp x dp) into its generation
+   layout (tp_g, no pipeline, W/tp_g replicas); each replica samples `rollout.n` responses for its
+   share of the prompts, with every token's log-prob; then the weights go back, the KV cache is freed.
+2. **Score.** Rule-based rewards (rewards.py), DAPO's overlong shaping and dynamic sampling: groups
+   whose n responses all score the same carry no signal for a group-relative advantage, so they are
+   dropped and more prompts drawn until the batch is full.
+3. **Recompute**, in packed micro-batches in the training layout: log-probs under the actor (pi_old;
+   they differ slightly from the generator's, see training/rollout_probs_diff_*) and under the
+   reference policy (for a KL term), and the critic's values.
+4. **Advantages** (algorithms.py): GAE with the critic's values (PPO), or outcome-based group
+   baselines (GRPO, RLOO, REINFORCE++).
+5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts,
+   one optimizer step each, over micro-batches of at most `actor.max_tokens_per_micro_batch` tokens
+   spread evenly over the DP ranks. Each micro-batch loss is divided by the *global* denominator of
+   its mini-batch (tokens or sequences, over all micro-batches and DP ranks), so the gradient is the
+   same however the batch was split.
 
-All ranks hold the whole batch of rollouts (token ids and per-token tensors are small next to
-the model); the DP split happens by choosing rows. Tensors computed on the last pipeline stage
-are summed over the world with only (last stage, tp rank 0) ranks contributing, so every rank
-sees the same numbers.
+Results of the last pipeline stage reach every rank as a world sum to which only the (last stage,
+tp rank 0) ranks contribute, so every rank sees the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -55,7 +54,7 @@ import yaml
 import algorithms as alg
 from data import PromptDataset, Sampler, atomic_write, load_tokenizer, pack_micro_batches, packed_inputs
 from model import ModelConfig, load_model
-from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, validate_layout,
+from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, shard_name, validate_layout,
                       vocab_parallel_logprobs)
 from rewards import load_reward_fn, score_batch
 
@@ -257,10 +256,8 @@ def _build(cls, d: dict, prefix: str, source: str):
         if isinstance(default, bool) and not isinstance(val, bool):
             raise TypeError(f"{source}: {path} must be true or false, got {val!r}")
         if isinstance(default, float) and isinstance(val, (int, str)) and not isinstance(val, bool):
-            try:  # YAML reads 1e-6 (no dot) as a string
+            with contextlib.suppress(ValueError):  # YAML reads 1e-6 (no dot) as a string
                 val = float(val)
-            except ValueError:
-                pass
         if isinstance(default, list) and isinstance(val, str):
             val = [val]
         if not isinstance(val, type(default)) or (isinstance(val, bool) and not isinstance(default, bool)):
@@ -277,6 +274,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
         raise FileNotFoundError(f"config file {path!r} does not exist")
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise TypeError(f"{path}: the config must be a mapping of sections (data, actor, ...), "
+                        f"got {type(raw).__name__}")
     for ov in overrides:
         if "=" not in ov:
             raise ValueError(f"override {ov!r} must look like key.path=value")
@@ -295,10 +295,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
 
 def check_config(cfg: Config, source: str) -> None:
     d, a = cfg.data, cfg.actor
-    if not a.model_path:
-        raise ValueError(f"{source}: actor.model_path is required")
-    if not d.train_files:
-        raise ValueError(f"{source}: data.train_files is required")
+    for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
+        if not val:
+            raise ValueError(f"{source}: {key} is required")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{source}: data.train_batch_size={d.train_batch_size} must be a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
@@ -326,12 +325,6 @@ def init_distributed(cfg: Config) -> torch.device:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.trainer.timeout_s),
                                 device_id=device if use_cuda else None)
     return device
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def rng_state() -> dict:
@@ -366,22 +359,40 @@ def world_sum(t: torch.Tensor, contribute: bool) -> torch.Tensor:
     return t
 
 
-def world_metrics(outs: list[dict], contribute: bool) -> dict[str, float]:
-    """Sum each metric over micro-batches and then over the world (only `contribute` ranks count).
-    Objects, not a tensor all-reduce: ranks off the last pipeline stage do not know the metric names."""
-    local: dict[str, float] = {}
-    for o in outs if contribute else []:
-        for k, v in o.items():
-            local[k] = local.get(k, 0.0) + float(v)
-    parts = [local]
-    if dist.is_initialized():
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order ([obj] without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def sum_dicts(dicts) -> dict[str, float]:
     total: dict[str, float] = {}
-    for part in parts:
-        for k, v in part.items():
-            total[k] = total.get(k, 0.0) + v
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + float(v)
     return total
+
+
+def agree(flag: bool, device) -> bool:
+    """True on every rank if it is true on any rank."""
+    return bool(world_sum(torch.tensor([float(flag)], device=device), True).item())
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def timed(metrics: dict, name: str):
+    """Add the seconds the block takes to metrics['timing_s/<name>']."""
+    t0 = time.perf_counter()
+    yield
+    key = f"timing_s/{name}"
+    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -391,9 +402,9 @@ def world_metrics(outs: list[dict], contribute: bool) -> dict[str, float]:
 class Batch:
     """All rollouts of one step (identical on every rank). Per-token tensors are [B, R]."""
 
-    prompts: list        # list[list[int]] per sample
-    responses: list      # list[list[int]] per sample
-    index: torch.Tensor  # [B] group id (the prompt's dataset index)
+    prompts: list                       # list[list[int]] per sample
+    responses: list                     # list[list[int]] per sample
+    index: torch.Tensor                 # [B] group id (the prompt's dataset index)
     data_source: list
     ground_truth: list
     extra_info: list
@@ -401,39 +412,37 @@ class Batch:
     rollout_log_probs: torch.Tensor
     tensors: dict = field(default_factory=dict)  # scores, old/ref log-probs, values, advantages, ...
 
+    @classmethod
+    def from_completions(cls, items: list[dict], completions: list, R: int) -> Batch:
+        src = [items[c.prompt_index] for c in completions]
+        mask, rlp = torch.zeros(len(completions), R), torch.zeros(len(completions), R)
+        for i, c in enumerate(completions):
+            mask[i, :len(c.token_ids)] = 1
+            rlp[i, :len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return cls([s["prompt_ids"] for s in src], [list(c.token_ids) for c in completions],
+                   torch.tensor([s["index"] for s in src], dtype=torch.long), [s["data_source"] for s in src],
+                   [s["ground_truth"] for s in src], [s["extra_info"] for s in src], mask, rlp)
+
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def select(self, keep: list[int]) -> "Batch":
-        pick = lambda xs: [xs[i] for i in keep]
+    def select(self, keep: list[int]) -> Batch:
         k = torch.tensor(keep, dtype=torch.long)
-        return Batch(pick(self.prompts), pick(self.responses), self.index[k], pick(self.data_source),
-                     pick(self.ground_truth), pick(self.extra_info), self.response_mask[k],
-                     self.rollout_log_probs[k], {n: v[k] for n, v in self.tensors.items()})
+        return Batch.combine([self], lambda ts: ts[0][k], lambda lists: [lists[0][i] for i in keep])
 
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        return Batch.combine(batches, torch.cat, lambda lists: sum(lists, []))
 
-def make_batch(items: list[dict], completions: list, R: int) -> Batch:
-    B = len(completions)
-    mask = torch.zeros(B, R)
-    rlp = torch.zeros(B, R)
-    src = [items[c.prompt_index] for c in completions]
-    for i, c in enumerate(completions):
-        n = len(c.token_ids)
-        mask[i, :n] = 1
-        rlp[i, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
-    return Batch([s["prompt_ids"] for s in src], [list(c.token_ids) for c in completions],
-                 torch.tensor([s["index"] for s in src], dtype=torch.long), [s["data_source"] for s in src],
-                 [s["ground_truth"] for s in src], [s["extra_info"] for s in src], mask, rlp)
-
-
-def concat_batches(bs: list[Batch]) -> Batch:
-    if len(bs) == 1:
-        return bs[0]
-    cat = lambda name: sum((getattr(b, name) for b in bs), [])
-    return Batch(cat("prompts"), cat("responses"), torch.cat([b.index for b in bs]), cat("data_source"),
-                 cat("ground_truth"), cat("extra_info"), torch.cat([b.response_mask for b in bs]),
-                 torch.cat([b.rollout_log_probs for b in bs]),
-                 {n: torch.cat([b.tensors[n] for b in bs]) for n in bs[0].tensors})
+    @staticmethod
+    def combine(batches: list[Batch], tensors_fn, lists_fn) -> Batch:
+        """Field by field: every tensor (those in .tensors too) from tensors_fn(its values in `batches`),
+        every list from lists_fn(its values)."""
+        def one(vals):
+            if isinstance(vals[0], dict):
+                return {n: tensors_fn([v[n] for v in vals]) for n in vals[0]}
+            return tensors_fn(vals) if torch.is_tensor(vals[0]) else lists_fn(vals)
+        return Batch(**{f.name: one([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(Batch)})
 
 
 def micro_batch(batch: Batch, rows: list[int], device) -> dict:
@@ -467,70 +476,7 @@ def scatter_rows(mb: dict, values: torch.Tensor, R: int) -> torch.Tensor:
     return out.index_put((mb["row"], mb["col"]), values)
 
 
-# ----------------------------------------------------------------------------- forward passes
-
-
-def compute_log_probs(role: Role, layout, batch: Batch, cfg: Config, device, with_entropy=False,
-                      values=False) -> dict[str, torch.Tensor]:
-    """Forward-only over the whole batch in packed micro-batches: log-probs (and entropy) or values,
-    as [B, R] tensors on every rank."""
-    R = batch.response_mask.shape[1]
-    model = role.model
-    temp = cfg.rollout.temperature
-
-    def fn(m, hidden, mb):
-        h = hidden[mb["sel"]]
-        if values:
-            return hidden.new_zeros(()), {"values": m.values(h)}
-        logp, ent = vocab_parallel_logprobs(m.logits(h), mb["targets"], layout.tp_group, temp, with_entropy)
-        return hidden.new_zeros(()), {"log_probs": logp, **({"entropy": ent} if with_entropy else {})}
-
-    mbs = dp_micro_batches(batch, list(range(len(batch))), cfg.actor.max_tokens_per_micro_batch, layout, device)
-    model.eval()
-    with torch.no_grad():
-        outs = pipeline_forward_backward(model, layout, mbs, fn, forward_only=True)
-    model.train()
-    contribute = layout.is_last_stage and layout.tp_rank == 0
-    result = {}
-    for name in (["values"] if values else ["log_probs"] + (["entropy"] if with_entropy else [])):
-        full = torch.zeros(len(batch), R, device=device)
-        if contribute:
-            for mb, o in zip(mbs, outs):
-                full[mb["rows"]] = scatter_rows(mb, o[name].float(), R)
-        result[name] = world_sum(full, contribute).cpu()
-    return result
-
-
-def update(role: Role, layout, batch: Batch, cfg: Config, device, step: int, loss_fn, epochs: int,
-           agg_mode: str) -> dict[str, float]:
-    """ppo_epochs x mini-batches of optimizer steps; loss_fn(model, hidden, mb, denom) -> (loss, metrics)."""
-    n = cfg.rollout.n
-    mini = cfg.actor.ppo_mini_batch_size * n
-    metrics: dict[str, float] = {}
-    sums = {}
-    count = 0
-    for epoch in range(epochs):
-        for start in range(0, len(batch), mini):
-            rows = list(range(start, min(start + mini, len(batch))))
-            mask = batch.response_mask[rows]
-            denom = {"agg": alg.loss_denominator(mask, agg_mode), "tokens": float(mask.sum())}
-            mbs = dp_micro_batches(batch, rows, cfg.actor.max_tokens_per_micro_batch, layout, device)
-            role.optim.zero_grad()
-            outs = pipeline_forward_backward(role.model, layout, mbs, lambda m, h, mb: loss_fn(m, h, mb, denom))
-            role.optim.reduce_gradients()
-            gnorm = role.optim.clip_grad_norm(role.ocfg.grad_clip)
-            lr = lr_at(step, cfg.trainer.total_steps, role.ocfg.lr, role.ocfg.lr_warmup_steps,
-                       role.ocfg.lr_schedule, role.ocfg.min_lr_ratio)
-            if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
-                raise FloatingPointError(f"non-finite grad norm {gnorm} at step {step}")
-            role.optim.step(lr)
-            for k, v in world_metrics(outs, layout.is_last_stage and layout.tp_rank == 0).items():
-                sums[k] = sums.get(k, 0.0) + v
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + gnorm
-            metrics["lr"] = lr
-            count += 1
-    metrics.update({k: v / count for k, v in sums.items()})
-    return metrics
+# ----------------------------------------------------------------------------- losses
 
 
 def actor_loss_fn(cfg: Config, layout, batch: Batch):
@@ -538,10 +484,9 @@ def actor_loss_fn(cfg: Config, layout, batch: Batch):
     T = batch.tensors
 
     def fn(m, hidden, mb, denom):
-        rows = mb["rows"].cpu()
+        rows, dev = mb["rows"].cpu(), hidden.device
         logp_t, ent_t = vocab_parallel_logprobs(m.logits(hidden[mb["sel"]]), mb["targets"], layout.tp_group,
                                                 cfg.rollout.temperature, with_entropy=True)
-        dev = hidden.device
         logp, ent = scatter_rows(mb, logp_t, R), scatter_rows(mb, ent_t, R)
         mask = batch.response_mask[rows].to(dev)
         is_w = T["rollout_is_weights"][rows].to(dev) if "rollout_is_weights" in T else None
@@ -588,73 +533,68 @@ class Trainer:
     """Holds the roles, data, sampler and counters of one run (the state a checkpoint saves)."""
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg, self.out = cfg, cfg.trainer.output_dir
         self.device = init_distributed(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        seed_everything(cfg.trainer.seed)
-        a, p = cfg.actor, cfg.parallel
-        mcfg = ModelConfig.from_dir(a.model_path)
-        validate_layout(mcfg, p.train.tp, p.train.pp, self.world, name=a.model_path)
-        validate_layout(mcfg, p.rollout.tp, 1, self.world, name=a.model_path + " (parallel.rollout)")
-        self.mcfg = mcfg
-        self.layout = make_layout(p.train.tp, p.train.pp)
-        if cfg.data.train_batch_size % self.layout.dp:
-            raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} is not divisible by dp="
-                             f"{self.layout.dp}")
+        random.seed(cfg.trainer.seed)
+        np.random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+        a, p, d = cfg.actor, cfg.parallel, cfg.data
+        self.mcfg = ModelConfig.from_dir(a.model_path)
+        validate_layout(self.mcfg, p.train.tp, p.train.pp, self.world, name=a.model_path)
+        validate_layout(self.mcfg, p.rollout.tp, 1, self.world, name=a.model_path + " (parallel.rollout)")
+        self.layout = lay = make_layout(p.train.tp, p.train.pp)
+        if d.train_batch_size % lay.dp:
+            raise ValueError(f"data.train_batch_size={d.train_batch_size} is not divisible by dp={lay.dp}")
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
             a.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.tokenizer = load_tokenizer(a.model_path)
-        self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(_as_list(mcfg.raw.get("eos_token_id"))) - {None})
-        self.actor = self._role(a.model_path, a.optim, value_head=False)
-        self.actor.model.gradient_checkpointing = a.gradient_checkpointing
-        need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = Role(self._model(a.model_path, False), None, None) if need_ref else None
-        if self.ref is not None:
-            self.ref.model.requires_grad_(False)
-        self.critic = None
-        if cfg.algorithm.adv_estimator == "gae":
-            self.critic = self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
-            self.critic.model.gradient_checkpointing = a.gradient_checkpointing
+        eos = self.mcfg.raw.get("eos_token_id")
+        self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None})
+        self.actor = self._role(a.model_path, a.optim)
+        self.ref = self._role(a.model_path, None) if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
+        self.critic = (self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
+                       if cfg.algorithm.adv_estimator == "gae" else None)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if kc.type == "fixed"
                         else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
         self.reward_fn = load_reward_fn(cfg.reward.fn or None)
-        d = cfg.data
-        cache = d.cache_dir or None
-        self.train_data = PromptDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.truncation,
-                                        d.filter_overlong_prompts, d.prompt_key, cache)
-        self.val_data = PromptDataset(d.val_files, self.tokenizer, d.max_prompt_length, d.truncation,
-                                      d.filter_overlong_prompts, d.prompt_key, cache) if d.val_files else None
+
+        def dataset(files):
+            return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.truncation,
+                                 d.filter_overlong_prompts, d.prompt_key, d.cache_dir or None)
+        self.train_data = dataset(d.train_files)
+        self.val_data = dataset(d.val_files) if d.val_files else None
         self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         from reshard import Resharder
-        self.resharder = Resharder(self.actor.model, self.layout, p.rollout.tp, seed=cfg.trainer.seed)
+        self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, seed=cfg.trainer.seed)
         self.step = 0
         self.nonfinite_skips = 0
-        self.out = cfg.trainer.output_dir
 
-    def _model(self, path, value_head):
-        return load_model(path, self.layout, self.dtype, self.device, random_init=self.cfg.actor.random_init,
-                          seed=self.cfg.trainer.seed, value_head=value_head, lm_head=not value_head)
+    def _role(self, path: str, ocfg: OptimConfig | None, value_head: bool = False) -> Role:
+        """A model in the training layout: trained with `ocfg`, or frozen (the reference) without."""
+        m = load_model(path, self.layout, self.dtype, self.device, random_init=self.cfg.actor.random_init,
+                       seed=self.cfg.trainer.seed, value_head=value_head, lm_head=not value_head)
+        if ocfg is None:
+            return Role(m.requires_grad_(False), None, None)
+        m.gradient_checkpointing = self.cfg.actor.gradient_checkpointing
+        return Role(m, self._adamw(m, ocfg), ocfg)
 
-    def _role(self, path, ocfg: OptimConfig, value_head: bool) -> Role:
-        m = self._model(path, value_head)
-        return Role(m, ShardedAdamW(m, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas),
-                                    weight_decay=ocfg.weight_decay), ocfg)
+    def _adamw(self, model, ocfg: OptimConfig) -> ShardedAdamW:
+        return ShardedAdamW(model, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay)
 
     # --- generation
     def generate(self, items: list[dict], temperature: float, n: int, seed: int):
         from rollout import Generator, SamplingParams
         from reshard import collect_results, dispatch_prompts
         cfg, R = self.cfg, self.cfg.data.max_response_length
-        prompts = [it["prompt_ids"] for it in items]
         with self.resharder.generation() as gen_model:
-            mine, offset = dispatch_prompts(prompts, self.resharder.gen_layout)
+            mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
             # the generator hashes (seed, local prompt index, ...): shift the seed by the replica's offset
             params = SamplingParams(n=n, temperature=temperature, top_p=cfg.rollout.top_p,
                                     top_k=cfg.rollout.top_k, max_new_tokens=R, seed=seed + 1_000_003 * offset)
-            gen = Generator(gen_model, max_rows=cfg.rollout.max_rows,
-                            max_len=cfg.data.max_prompt_length + R,
+            gen = Generator(gen_model, max_rows=cfg.rollout.max_rows, max_len=cfg.data.max_prompt_length + R,
                             kv_cache_tokens=cfg.rollout.kv_cache_tokens or None,
                             gpu_memory_fraction=cfg.rollout.gpu_memory_fraction,
                             use_cuda_graphs=cfg.rollout.use_cuda_graphs)
@@ -662,36 +602,29 @@ class Trainer:
                 done = gen.generate(mine, params, eos_token_ids=self.eos_ids)
             finally:
                 gen.free()
-            completions = collect_results(done, offset, self.resharder.gen_layout)
-        return completions
+            return collect_results(done, offset, self.resharder.gen_layout)
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """Rewards, computed for a 1/W share of the samples on each rank and then all-gathered."""
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int]:
+        """(scores, the scorer's extra values, scorer errors), computed for a 1/W share of the samples on
+        each rank and then all-gathered."""
         texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
         share = list(range(self.rank, len(batch), self.world))
         scores, extras, errors = score_batch(self.reward_fn, [batch.data_source[i] for i in share],
                                              [texts[i] for i in share], [batch.ground_truth[i] for i in share],
                                              [batch.extra_info[i] for i in share])
-        parts = [(share, scores, extras, errors)]
-        if dist.is_initialized():
-            parts = [None] * self.world
-            dist.all_gather_object(parts, (share, scores, extras, errors))
-        full = torch.zeros(len(batch))
-        ext: dict[str, torch.Tensor] = {}
-        nerr = 0
-        for idx, sc, ex, er in parts:
+        parts = all_gather_objects((share, scores, extras, errors))
+        full, ext = torch.zeros(len(batch)), {}
+        for idx, sc, ex, _ in parts:
             full[idx] = torch.tensor(sc, dtype=torch.float32)
             for k, v in ex.items():
                 ext.setdefault(k, torch.full((len(batch),), float("nan")))[idx] = torch.tensor(
                     [float("nan") if x is None else x for x in v], dtype=torch.float32)
-            nerr += er
-        ext["_errors"] = torch.tensor(float(nerr))
-        return full, ext
+        return full, ext, sum(p[3] for p in parts)
 
     def rollout_batch(self) -> tuple[Batch, dict]:
         """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
         cfg = self.cfg
-        fg, n, R = cfg.algorithm.filter_groups, cfg.rollout.n, cfg.data.max_response_length
+        fg, n = cfg.algorithm.filter_groups, cfg.rollout.n
         kept: list[Batch] = []
         num_prompts, gen_batches, metrics = 0, 0, {}
         while num_prompts < cfg.data.train_batch_size:
@@ -700,20 +633,17 @@ class Trainer:
                                    f"prompts had varied {fg.metric!r} after {gen_batches} generation batches "
                                    "(algorithm.filter_groups.max_num_gen_batches); raise it or check the rewards")
             items = self.train_data.get_batch(self.sampler.next_indices())
-            t0 = time.perf_counter()
-            comps = self.generate(items, cfg.rollout.temperature, n, seed=cfg.trainer.seed + 7919 * self.step
-                                  + gen_batches)
-            metrics["timing_s/gen"] = metrics.get("timing_s/gen", 0.0) + time.perf_counter() - t0
-            batch = make_batch(items, comps, R)
-            scores, extras = self.score(batch)
-            metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(extras.pop("_errors"))
+            with timed(metrics, "gen"):
+                comps = self.generate(items, cfg.rollout.temperature, n,
+                                      seed=cfg.trainer.seed + 7919 * self.step + gen_batches)
+            batch = Batch.from_completions(items, comps, cfg.data.max_response_length)
+            scores, extras, errors = self.score(batch)
+            metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
             batch.tensors["score"] = scores
-            for k, v in extras.items():
-                batch.tensors["extra/" + k] = v
+            batch.tensors.update({"extra/" + k: v for k, v in extras.items()})
             gen_batches += 1
             if not fg.enable:
-                kept.append(batch)
-                break
+                return batch, metrics
             metric = scores if fg.metric == "score" else batch.tensors.get("extra/" + fg.metric)
             if metric is None:
                 raise KeyError(f"algorithm.filter_groups.metric={fg.metric!r} is not returned by the reward "
@@ -721,87 +651,119 @@ class Trainer:
             keep = alg.filter_groups(metric, batch.index).nonzero().flatten().tolist()
             kept.append(batch.select(keep))
             num_prompts += len(keep) // n
-        batch = concat_batches(kept)
-        if fg.enable:
-            batch = batch.select(list(range(cfg.data.train_batch_size * n)))
-            metrics["train/num_gen_batches"] = float(gen_batches)
-        return batch, metrics
+        metrics["train/num_gen_batches"] = float(gen_batches)
+        return Batch.concat(kept).select(list(range(cfg.data.train_batch_size * n))), metrics
+
+    # --- forward passes and updates in the training layout
+    def forward_only(self, role: Role, batch: Batch, values: bool = False) -> torch.Tensor:
+        """The responses' log-probs (or, with `values`, the critic's values) as [B, R] on every rank,
+        forward-only over the whole batch in packed micro-batches."""
+        lay, R = self.layout, batch.response_mask.shape[1]
+
+        def fn(m, hidden, mb):
+            h = hidden[mb["sel"]]
+            if values:
+                return hidden.new_zeros(()), {"out": m.values(h)}
+            logp, _ = vocab_parallel_logprobs(m.logits(h), mb["targets"], lay.tp_group, self.cfg.rollout.temperature)
+            return hidden.new_zeros(()), {"out": logp}
+
+        mbs = dp_micro_batches(batch, list(range(len(batch))), self.cfg.actor.max_tokens_per_micro_batch, lay,
+                               self.device)
+        role.model.eval()
+        with torch.no_grad():
+            outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)
+        role.model.train()
+        contribute = lay.is_last_stage and lay.tp_rank == 0
+        full = torch.zeros(len(batch), R, device=self.device)
+        for mb, o in zip(mbs, outs) if contribute else []:
+            full[mb["rows"]] = scatter_rows(mb, o["out"].float(), R)
+        return world_sum(full, contribute).cpu()
+
+    def update(self, role: Role, batch: Batch, loss_fn, epochs: int, agg_mode: str, name: str) -> dict[str, float]:
+        """`epochs` x mini-batches of optimizer steps; loss_fn(model, hidden, mb, denom) -> (loss, metrics).
+        Returns the loss metrics averaged over the optimizer steps, `<name>/grad_norm` and `<name>/lr`."""
+        cfg, lay, o = self.cfg, self.layout, role.ocfg
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        lr = lr_at(self.step, cfg.trainer.total_steps, o.lr, o.lr_warmup_steps, o.lr_schedule, o.min_lr_ratio)
+        per_step = []
+        for _ in range(epochs):
+            for start in range(0, len(batch), mini):
+                rows = list(range(start, min(start + mini, len(batch))))
+                mask = batch.response_mask[rows]
+                denom = {"agg": alg.loss_denominator(mask, agg_mode), "tokens": float(mask.sum())}
+                mbs = dp_micro_batches(batch, rows, cfg.actor.max_tokens_per_micro_batch, lay, self.device)
+                role.optim.zero_grad()
+                outs = pipeline_forward_backward(role.model, lay, mbs, lambda m, h, mb: loss_fn(m, h, mb, denom))
+                role.optim.reduce_gradients()
+                gnorm = role.optim.clip_grad_norm(o.grad_clip)
+                if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
+                    raise FloatingPointError(f"non-finite grad norm {gnorm} at step {self.step}")
+                role.optim.step(lr)
+                # summed over micro-batches, then over the world as objects: ranks off the last stage
+                # (which contribute nothing) do not know the metric names
+                mine = sum_dicts(outs if lay.is_last_stage and lay.tp_rank == 0 else [])
+                per_step.append({**sum_dicts(all_gather_objects(mine)), f"{name}/grad_norm": gnorm})
+        return {**{k: v / len(per_step) for k, v in sum_dicts(per_step).items()}, f"{name}/lr": lr}
 
     # --- one step
     def train_step(self) -> dict:
-        cfg, T0 = self.cfg, time.perf_counter()
+        cfg, al, t_start = self.cfg, self.cfg.algorithm, time.perf_counter()
         batch, metrics = self.rollout_batch()
-        metrics["timing_s/reshard"] = self.resharder.last_timing if hasattr(self.resharder, "last_timing") else 0.0
-        R = cfg.data.max_response_length
-        mask = batch.response_mask
+        metrics["timing_s/reshard"] = self.resharder.last_timing
+        T, mask = batch.tensors, batch.response_mask
         resp_len = mask.sum(-1)
-        scores = batch.tensors["score"]
-        if cfg.algorithm.overlong_buffer.enable:
-            ob = cfg.algorithm.overlong_buffer
-            scores = scores + alg.compute_overlong_penalty(resp_len, R, ob.len, ob.penalty_factor)
-        last = (resp_len.long() - 1).clamp(min=0)
-        token_scores = torch.zeros_like(mask)
-        token_scores[torch.arange(len(batch)), last] = scores * (resp_len > 0)
-        tm = time.perf_counter()
-        old = compute_log_probs(self.actor, self.layout, batch, cfg, self.device, with_entropy=False)
-        metrics["timing_s/old_log_prob"] = time.perf_counter() - tm
-        T = batch.tensors
-        T["old_log_probs"] = old["log_probs"]
+        scores = T["score"]
+        if al.overlong_buffer.enable:
+            ob = al.overlong_buffer
+            scores = scores + alg.compute_overlong_penalty(resp_len, cfg.data.max_response_length, ob.len,
+                                                           ob.penalty_factor)
+        token_scores = torch.zeros_like(mask)  # the outcome reward sits on the last response token
+        token_scores[torch.arange(len(batch)), (resp_len.long() - 1).clamp(min=0)] = scores * (resp_len > 0)
+        with timed(metrics, "old_log_prob"):
+            T["old_log_probs"] = self.forward_only(self.actor, batch)
         metrics.update(alg.rollout_mismatch_metrics(T["old_log_probs"], batch.rollout_log_probs, mask))
-        if cfg.algorithm.rollout_is.enable:
-            ri = cfg.algorithm.rollout_is
+        if al.rollout_is.enable:
             T["rollout_is_weights"] = alg.compute_rollout_is_weights(T["old_log_probs"], batch.rollout_log_probs,
-                                                                     mask, ri.threshold, ri.level)
+                                                                     mask, al.rollout_is.threshold, al.rollout_is.level)
         if self.ref is not None:
-            tm = time.perf_counter()
-            T["ref_log_probs"] = compute_log_probs(self.ref, self.layout, batch, cfg, self.device)["log_probs"]
-            metrics["timing_s/ref"] = time.perf_counter() - tm
+            with timed(metrics, "ref"):
+                T["ref_log_probs"] = self.forward_only(self.ref, batch)
         if self.critic is not None:
-            tm = time.perf_counter()
-            T["values"] = compute_log_probs(self.critic, self.layout, batch, cfg, self.device, values=True)["values"]
-            metrics["timing_s/values"] = time.perf_counter() - tm
-        if cfg.algorithm.use_kl_in_reward:
+            with timed(metrics, "values"):
+                T["values"] = self.forward_only(self.critic, batch, values=True)
+        rewards = token_scores
+        if al.use_kl_in_reward:
             rewards, km = alg.apply_kl_penalty(token_scores, T["old_log_probs"], T["ref_log_probs"], mask,
-                                               self.kl_ctrl, cfg.algorithm.kl_penalty)
+                                               self.kl_ctrl, al.kl_penalty)
             metrics.update(km)
-        else:
-            rewards = token_scores
-        al = cfg.algorithm
-        adv, ret = alg.compute_advantage(al.adv_estimator, rewards, mask, index=batch.index, values=T.get("values"),
-                                         gamma=al.gamma, lam=al.lam, norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
-        T["advantages"], T["returns"] = adv, ret
+        T["advantages"], T["returns"] = alg.compute_advantage(
+            al.adv_estimator, rewards, mask, index=batch.index, values=T.get("values"), gamma=al.gamma, lam=al.lam,
+            norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
         if self.critic is not None:
-            tm = time.perf_counter()
             epochs = cfg.critic.ppo_epochs if cfg.critic.ppo_epochs > 0 else cfg.actor.ppo_epochs
-            cm = update(self.critic, self.layout, batch, cfg, self.device, self.step, critic_loss_fn(cfg, batch),
-                        epochs, cfg.critic.loss_agg_mode)
-            metrics.update({"critic/vf_loss": cm["critic/vf_loss"], "critic/vf_clipfrac": cm["critic/vf_clipfrac"],
-                            "critic/grad_norm": cm["grad_norm"], "critic/lr": cm["lr"]})
-            metrics["timing_s/update_critic"] = time.perf_counter() - tm
-        tm = time.perf_counter()
-        am = update(self.actor, self.layout, batch, cfg, self.device, self.step, actor_loss_fn(cfg, self.layout, batch),
-                    cfg.actor.ppo_epochs, cfg.actor.loss_agg_mode)
-        t_update = time.perf_counter() - tm
-        metrics["timing_s/update_actor"] = t_update
-        metrics.update({k: v for k, v in am.items() if k.startswith("actor/")})
-        metrics["actor/grad_norm"], metrics["actor/lr"] = am["grad_norm"], am["lr"]
-        step_time = time.perf_counter() - T0
-        metrics["timing_s/step"] = step_time
-        metrics.update(self.batch_metrics(batch, scores, rewards, adv, ret, step_time, t_update))
+            with timed(metrics, "update_critic"):
+                metrics.update(self.update(self.critic, batch, critic_loss_fn(cfg, batch), epochs,
+                                           cfg.critic.loss_agg_mode, "critic"))
+        with timed(metrics, "update_actor"):
+            actor_metrics = self.update(self.actor, batch, actor_loss_fn(cfg, self.layout, batch),
+                                        cfg.actor.ppo_epochs, cfg.actor.loss_agg_mode, "actor")
+        metrics.update(actor_metrics)
+        metrics["timing_s/step"] = time.perf_counter() - t_start
+        metrics.update(self.batch_metrics(batch, scores, rewards, metrics["timing_s/step"],
+                                          metrics["timing_s/update_actor"]))
         return metrics
 
-    def batch_metrics(self, batch, scores, rewards, adv, ret, step_time, t_update) -> dict:
-        cfg, mask = self.cfg, batch.response_mask
+    def batch_metrics(self, batch: Batch, scores, rewards, step_time: float, t_update: float) -> dict:
+        cfg, mask, c = self.cfg, batch.response_mask, self.mcfg
         resp_len = mask.sum(-1)
         plen = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
         valid = mask.bool()
+        adv, ret = ((batch.tensors["advantages"][valid], batch.tensors["returns"][valid]) if valid.any()
+                    else (torch.zeros(1), torch.zeros(1)))
         m = {"critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
-             "critic/score/min": scores.min().item(),
-             "critic/rewards/mean": rewards.sum(-1).mean().item(),
-             "critic/advantages/mean": adv[valid].mean().item() if valid.any() else 0.0,
-             "critic/advantages/max": adv[valid].max().item() if valid.any() else 0.0,
-             "critic/advantages/min": adv[valid].min().item() if valid.any() else 0.0,
-             "critic/returns/mean": ret[valid].mean().item() if valid.any() else 0.0,
+             "critic/score/min": scores.min().item(), "critic/rewards/mean": rewards.sum(-1).mean().item(),
+             "critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(),
+             "critic/advantages/min": adv.min().item(), "critic/returns/mean": ret.mean().item(),
              "response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
              "response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
              "prompt_length/mean": plen.mean().item()}
@@ -809,9 +771,7 @@ class Trainer:
         m["perf/total_num_tokens"] = tokens
         m["perf/throughput"] = tokens / step_time / self.world
         # actor update FLOPs: 6N per token (forward + backward) + causal attention, per PPO epoch
-        c = self.mcfg
-        seq = resp_len + plen
-        attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float((seq ** 2).sum()) / 2
+        attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float(((resp_len + plen) ** 2).sum()) / 2
         flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs
         m["perf/mfu/actor"] = flops / max(t_update, 1e-9) / self.world / (cfg.trainer.peak_tflops * 1e12)
         if self.device.type == "cuda":
@@ -828,10 +788,10 @@ class Trainer:
         for start in range(0, n, cfg.data.val_batch_size):
             items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
             comps = self.generate(items, cfg.rollout.val_temperature, cfg.rollout.val_n, seed=cfg.trainer.seed)
-            batch = make_batch(items, comps, cfg.data.max_response_length)
-            scores, _ = self.score(batch)
+            batch = Batch.from_completions(items, comps, cfg.data.max_response_length)
+            scores = self.score(batch)[0]
             texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
-            for i, c in enumerate(comps):
+            for i in range(len(batch)):
                 by_src.setdefault(batch.data_source[i], []).append(float(scores[i]))
                 if len(records) < 64:
                     records.append({"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
@@ -844,23 +804,22 @@ class Trainer:
 
     # --- checkpoints
     def save_checkpoint(self) -> None:
+        """Every rank writes its shards into step_N.tmp; rank 0 makes them durable, renames the directory to
+        step_N and only then writes `latest`, so a crash at any point leaves `latest` naming a complete one."""
         from reshard import save_model_shard
-        root = os.path.join(self.out, "checkpoints")
+        root, lay = os.path.join(self.out, "checkpoints"), self.layout
         final = os.path.join(root, f"step_{self.step}")
         tmp = final + ".tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         barrier()
-        save_model_shard(self.actor.model, self.layout, tmp)
-        lay = self.layout
-        tag = f"dp{lay.dp_rank}_pp{lay.pp_rank}_tp{lay.tp_rank}"
+        save_model_shard(self.actor.model, lay, tmp)
         state = {"step": self.step, "optim": self.actor.optim.state_dict(), "sampler": self.sampler.state_dict(),
                  "rng": rng_state(), "kl_ctrl": self.kl_ctrl.state_dict(), "nonfinite_skips": self.nonfinite_skips}
         if self.critic is not None:
-            state["critic_model"] = {k: v for k, v in self.critic.model.state_dict().items()}
-            state["critic_optim"] = self.critic.optim.state_dict()
-        torch.save(state, os.path.join(tmp, f"state_{tag}.pt"))
+            state.update(critic_model=self.critic.model.state_dict(), critic_optim=self.critic.optim.state_dict())
+        torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
         barrier()
         if self.rank == 0:
             meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": self.mcfg.raw}
@@ -872,42 +831,40 @@ class Trainer:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_text(os.path.join(root, "latest"), str(self.step))
+            keep = self.cfg.trainer.keep_last_k
             steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
-            for s in steps[:-self.cfg.trainer.keep_last_k] if self.cfg.trainer.keep_last_k > 0 else []:
+            for s in steps[:-keep] if keep > 0 else []:
                 shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
         barrier()
 
     def maybe_resume(self) -> None:
-        r = self.cfg.trainer.resume
-        if r == "never":
+        """trainer.resume: never | auto (checkpoints/latest, if any) | PATH of a step_N directory."""
+        r, root = self.cfg.trainer.resume, os.path.join(self.out, "checkpoints")
+        latest = os.path.join(root, "latest")
+        if r == "never" or (r == "auto" and not os.path.isfile(latest)):
             return
-        if r == "auto":
-            latest = os.path.join(self.out, "checkpoints", "latest")
-            if not os.path.isfile(latest):
-                return
-            path = os.path.join(self.out, "checkpoints", f"step_{open(latest).read().strip()}")
-        else:
-            path = r
-        if not os.path.isfile(os.path.join(path, "meta.json")):
+        path = os.path.join(root, f"step_{pathlib.Path(latest).read_text().strip()}") if r == "auto" else r
+        meta_path = os.path.join(path, "meta.json")
+        if not os.path.isfile(meta_path):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
+        try:
+            meta = json.loads(pathlib.Path(meta_path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path}: not valid JSON ({e})") from e
         from reshard import load_into
-        meta = json.load(open(os.path.join(path, "meta.json")))
         load_into(self.actor.model, path)
         lay = self.layout
         same = (meta["tp"], meta["pp"], meta["dp"]) == (lay.tp, lay.pp, lay.dp)
-        tag = f"dp{lay.dp_rank}_pp{lay.pp_rank}_tp{lay.tp_rank}"
-        st = torch.load(os.path.join(path, f"state_{tag}.pt") if same else
-                        os.path.join(path, "state_dp0_pp0_tp0.pt"), weights_only=False)
+        mine = shard_name(lay, with_dp=True) if same else "dp0_pp0_tp0"  # another layout: rank 0's sampler, counters
+        st = torch.load(os.path.join(path, f"state_{mine}.pt"), weights_only=False)
         if same:
             self.actor.optim.load_state_dict(st["optim"])
             set_rng_state(st["rng"])
             if self.critic is not None:
                 self.critic.model.load_state_dict(st["critic_model"])
                 self.critic.optim.load_state_dict(st["critic_optim"])
-        else:  # another layout: the optimizer's shards do not map; rebuild its moments from scratch
-            self.actor.optim = ShardedAdamW(self.actor.model, lay, lr=self.cfg.actor.optim.lr,
-                                            betas=tuple(self.cfg.actor.optim.betas),
-                                            weight_decay=self.cfg.actor.optim.weight_decay)
+        else:  # another layout: the optimizer's shards do not map; rebuild it (fp32 master copies from the weights)
+            self.actor.optim = self._adamw(self.actor.model, self.actor.ocfg)
             print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
                   f"tp={lay.tp} pp={lay.pp} dp={lay.dp}: weights exact, Adam moments restarted", flush=True)
         self.sampler.load_state_dict(st["sampler"])
@@ -917,12 +874,12 @@ class Trainer:
 
     # --- the loop
     def fit(self) -> None:
-        cfg = self.cfg
         if self.rank == 0:
             os.makedirs(self.out, exist_ok=True)
-            write_text(os.path.join(self.out, "config.yaml"), yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+            write_text(os.path.join(self.out, "config.yaml"),
+                       yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
         self.maybe_resume()
-        logger = Logger(cfg, self.rank)
+        logger = Logger(self.cfg, self.rank)
         stop = {"sigterm": False}
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
         try:
@@ -931,25 +888,24 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
             logger.close()
 
-    def _loop(self, logger, stop: dict) -> None:
-        cfg = self.cfg
-        if self.val_data is not None and cfg.trainer.val_before_train and self.step == 0:
+    def _loop(self, logger: Logger, stop: dict) -> None:
+        tc = self.cfg.trainer
+        if self.val_data is not None and tc.val_before_train and self.step == 0:
             logger.log(self.step, self.validate())
         from tqdm import tqdm
-        bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, disable=self.rank != 0, desc="steps",
-                   dynamic_ncols=True)
-        while self.step < cfg.trainer.total_steps:
+        bar = tqdm(total=tc.total_steps, initial=self.step, disable=self.rank != 0, desc="steps", dynamic_ncols=True)
+        while self.step < tc.total_steps:
             try:
                 metrics = self.train_step()
             except FloatingPointError as e:
                 self.nonfinite_skips += 1
-                if self.nonfinite_skips > cfg.trainer.max_nonfinite_skips:
+                if self.nonfinite_skips > tc.max_nonfinite_skips:
                     raise
                 print(f"[nanorl] step {self.step + 1} skipped: {e}", file=sys.stderr, flush=True)
                 metrics = {"train/nonfinite_skipped": 1.0}
             self.step += 1
-            if self.val_data is not None and cfg.trainer.test_freq > 0 and (
-                    self.step % cfg.trainer.test_freq == 0 or self.step == cfg.trainer.total_steps):
+            last = self.step == tc.total_steps
+            if self.val_data is not None and tc.test_freq > 0 and (self.step % tc.test_freq == 0 or last):
                 metrics.update(self.validate())
             logger.log(self.step, metrics)
             bar.update(1)
@@ -957,31 +913,12 @@ class Trainer:
                             len=f"{metrics.get('response_length/mean', 0):.0f}",
                             s=f"{metrics.get('timing_s/step', 0):.1f}")
             sigterm = agree(stop["sigterm"], self.device)
-            sf = cfg.trainer.save_freq
-            if sigterm or (sf > 0 and (self.step % sf == 0 or self.step == cfg.trainer.total_steps)):
+            if sigterm or (tc.save_freq > 0 and (self.step % tc.save_freq == 0 or last)):
                 self.save_checkpoint()
             if sigterm:
                 print(f"[nanorl] SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
                 break
         bar.close()
-
-
-def agree(flag: bool, device) -> bool:
-    """True on every rank if it is true on any rank."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _as_list(x):
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def _fsync_dir(d: str) -> None:
@@ -999,28 +936,25 @@ def write_text(path: str, text: str) -> None:
 class Logger:
     """Console line, metrics.jsonl and (when installed) TensorBoard, on rank 0."""
 
+    CONSOLE = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "actor/entropy": "entropy",
+               "actor/ppo_kl": "ppo_kl", "response_length/mean": "response_length", "timing_s/step": "step"}
+
     def __init__(self, cfg: Config, rank: int):
-        self.on = rank == 0
-        self.kinds = cfg.trainer.logger
-        self.jsonl = open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"), "a") if self.on and \
-            "jsonl" in self.kinds else None
+        out, kinds = cfg.trainer.output_dir, cfg.trainer.logger if rank == 0 else []
+        self.console = "console" in kinds
+        self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a") if "jsonl" in kinds else None
         self.tb = None
-        if self.on and "tensorboard" in self.kinds:
+        if "tensorboard" in kinds:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(cfg.trainer.output_dir, "tensorboard"))
+            self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
 
     def log(self, step: int, metrics: dict) -> None:
-        if not self.on:
-            return
         metrics = {k: float(v) for k, v in metrics.items()}
         if self.jsonl:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
-        if "console" in self.kinds:
-            keys = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "response_length/mean",
-                    "timing_s/step")
-            short = " ".join(f"{k.split('/')[-2] if k.endswith('mean') else k.split('/')[-1]}={metrics[k]:.4g}"
-                             for k in keys if k in metrics)
+        if self.console:
+            short = " ".join(f"{name}={metrics[k]:.4g}" for k, name in self.CONSOLE.items() if k in metrics)
             val = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("val-core"))
             print(f"[step {step}] {short} {val}".rstrip(), flush=True)
         if self.tb:
@@ -1028,10 +962,9 @@ class Logger:
                 self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        if self.jsonl:
-            self.jsonl.close()
-        if self.tb:
-            self.tb.close()
+        for sink in (self.jsonl, self.tb):
+            if sink:
+                sink.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1039,8 +972,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\n")[0] + "\n\nusage: train.py CONFIG.yaml [key.path=value ...]")
         return
-    cfg = load_config(argv[0], argv[1:])
-    trainer = Trainer(cfg)
+    trainer = Trainer(load_config(argv[0], argv[1:]))
     try:
         trainer.fit()
     finally:
