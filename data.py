@@ -455,17 +455,20 @@ def _write_parquet(rows: list[dict], path: str) -> None:
 
 def prepare_gsm8k(src: str, out: str) -> None:
     """GSM8K JSONL (question, answer) -> verl-schema train.parquet / test.parquet."""
-    os.makedirs(out, exist_ok=True)
+    splits = {}  # both splits are read and checked before anything is written
     for split in ("train", "test"):
         path = os.path.join(src, f"{split}.jsonl")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist (expected GSM8K's {split}.jsonl in {src})")
-        rows = []
+        rows = splits[split] = []
         with open(path) as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                ex = json.loads(line)
+                try:
+                    ex = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {line_no}: not valid JSON ({e})") from None
                 if "####" not in ex.get("answer", ""):
                     raise ValueError(f"{path}: line {line_no}: answer has no '####' final-answer marker")
                 truth = ex["answer"].split("####")[-1].replace(",", "").strip()
@@ -474,6 +477,8 @@ def prepare_gsm8k(src: str, out: str) -> None:
                              "reward_model": {"style": "rule", "ground_truth": truth},
                              "extra_info": {"split": split, "index": len(rows), "question": ex["question"],
                                             "answer": ex["answer"]}})
+    os.makedirs(out, exist_ok=True)
+    for split, rows in splits.items():
         _write_parquet(rows, os.path.join(out, f"{split}.parquet"))
         print(f"wrote {len(rows)} rows to {os.path.join(out, split + '.parquet')}")
 

@@ -50,6 +50,27 @@ from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabPara
                       stage_layers)
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_json(path: str):
+    """json.load that names the file when it is not valid JSON (a config or meta cut mid-write)."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def open_safetensors(path: str):
+    """safe_open that names the file when it is truncated or corrupt."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(path, "pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: truncated or corrupt safetensors file ({e})") from None
 
 # ----------------------------------------------------------------------------- config
 
@@ -76,17 +97,25 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model directory {path!r} does not exist")
         f = os.path.join(path, "config.json")
         if not os.path.isfile(f):
             raise FileNotFoundError(f"model directory {path!r} has no config.json")
-        with open(f) as fh:
-            return cls.from_hf(json.load(fh), source=f)
+        return cls.from_hf(read_json(f), source=f)
 
     @classmethod
     def from_hf(cls, c: dict, source: str = "config.json") -> "ModelConfig":
-        arch = (c.get("architectures") or ["?"])[0]
+        if not c.get("architectures"):  # some configs name only the model_type
+            if c.get("model_type") not in MODEL_TYPES:
+                raise ValueError(f"{source}: no architectures and model_type {c.get('model_type')!r} is not "
+                                 f"supported; supported: {sorted(MODEL_TYPES)}")
+            c = {**c, "architectures": [MODEL_TYPES[c["model_type"]]]}
+        arch = c["architectures"][0]
         if arch not in SUPPORTED:
             raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}")
+        if missing := [k for k in REQUIRED_KEYS if k not in c]:
+            raise ValueError(f"{source}: missing required key(s) {missing}")
         # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
@@ -500,18 +529,16 @@ class Transformer(nn.Module):
 
     def load_hf(self, path: str) -> None:
         """Read this rank's slices straight from the safetensors files (never the whole model)."""
-        from safetensors import safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+            where = {k: os.path.join(path, v) for k, v in read_json(index)["weight_map"].items()}
         else:
             files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not files:
                 raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights "
                                         "(nor model.safetensors.index.json)")
-            where = {k: fn for fn in files for k in safe_open(fn, "pt").keys()}
-        handles = {fn: safe_open(fn, "pt") for fn in sorted(set(where.values()))}
+            where = {k: fn for fn in files for k in open_safetensors(fn).keys()}
+        handles = {fn: open_safetensors(fn) for fn in sorted(set(where.values()))}
 
         def read(name, j, hf, want):
             if hf not in where:

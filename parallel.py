@@ -143,14 +143,15 @@ def make_layout(tp: int = 1, pp: int = 1) -> Layout:
 def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model") -> None:
     """Check a (tp, pp) layout against a model config (model.ModelConfig) before anything is built.
     Errors name the model, the counts and the valid choices."""
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
     need = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+    valid = [t for t in range(1, world_size + 1) if world_size % (t * max(pp, 1)) == 0
+             and all(v % t == 0 for v in need.values())]
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(f"{name}: world size {world_size} is not divisible by tp*pp = {tp}*{pp}; valid tp "
+                         f"sizes for this model with pp={pp}: {valid}")
     for key, n in need.items():
         if n % tp:
-            valid = [t for t in range(1, world_size + 1) if world_size % t == 0
-                     and all(v % t == 0 for v in need.values())]
             raise ValueError(f"{name}: {key}={n} is not divisible by tp={tp}; valid tp sizes for "
                              f"this model and {world_size} ranks: {valid}")
     if pp > cfg.num_layers:

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, open_safetensors, read_json
 from parallel import (Layout, _all_gather_flat, _new_group, all_reduce, model_state, shard_name, stage_layers,
                       validate_layout)
 
@@ -389,12 +389,10 @@ class _Checkpoint:
     """Full HF-named tensors read out of a sharded checkpoint, one at a time."""
 
     def __init__(self, ckpt_dir: str):
-        from safetensors import safe_open
         f = os.path.join(ckpt_dir, "meta.json")
         if not os.path.isfile(f):
             raise FileNotFoundError(f"{ckpt_dir!r} is not a checkpoint directory (no meta.json)")
-        with open(f) as fh:
-            self.meta = json.load(fh)
+        self.meta = read_json(f)
         self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
         self.cfg = ModelConfig.from_hf(self.meta["model_config"], source=f)
         self.index = {}  # hf name -> (its stage's files, our name, tp_dim, its rows/columns in each shard)
@@ -403,7 +401,7 @@ class _Checkpoint:
                      for t in range(tp)]
             if missing := [fn for fn in files if not os.path.isfile(fn)]:
                 raise FileNotFoundError(f"checkpoint {ckpt_dir!r} (tp={tp}, pp={pp}) lacks {missing}")
-            files = [safe_open(fn, "pt") for fn in files]
+            names, files = files, [open_safetensors(fn) for fn in files]
             keys = set(files[0].keys())
             skel = Transformer(self.cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta",
                                value_head="value_head.weight" in keys,
@@ -413,6 +411,9 @@ class _Checkpoint:
                 raise ValueError(f"{ckpt_dir}: stage {p} holds {sorted(keys ^ set(named))} unlike a "
                                  f"{self.cfg.architecture} stage of tp={tp}, pp={pp}")
             for name, prm in named.items():
+                for fn, fh in zip(names, files):  # every shard, so one from another model cannot slip in
+                    if (shape := fh.get_slice(name).get_shape()) != list(prm.shape):
+                        raise ValueError(f"{fn}: tensor {name!r} has shape {shape}, expected {list(prm.shape)}")
                 parts = [n // tp for n in prm.tp_parts or [0]]
                 for j, hf in enumerate(skel.hf_names(name)):  # a tied head's copy: the embedding came first
                     self.index.setdefault(hf, (files, name, prm.tp_dim, slice(sum(parts[:j]), sum(parts[:j + 1]))))
@@ -457,13 +458,22 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_templ
 def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
     """A Hugging Face directory (config.json, safetensors shards + index, tokenizer files) from a checkpoint,
     written into a temporary directory that is renamed into place; one shard in memory at a time."""
-    from safetensors.torch import save_file
     ck = _Checkpoint(ckpt_dir)
     if os.path.exists(out_dir):
         raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        _write_hf(ck, ckpt_dir, tmp, dtype, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written survives a failure (disk full, ^C)
+        raise
+    os.replace(tmp, out_dir)
+
+
+def _write_hf(ck: _Checkpoint, ckpt_dir: str, tmp: str, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
     shards, cur, total = [], {}, 0
 
     def flush():
@@ -491,7 +501,6 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
     for fn in os.listdir(ckpt_dir):
         if fn.startswith(TOKENIZER_FILES):
             shutil.copy(os.path.join(ckpt_dir, fn), tmp)
-    os.replace(tmp, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -215,7 +215,10 @@ def load_reward_fn(spec: str | None) -> Callable:
         raise FileNotFoundError(f"reward function file not found: {path!r} (from {spec!r})")
     module_spec = importlib.util.spec_from_file_location(f"nanorl_user_reward_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: say which one broke, keep the original traceback
+        raise ImportError(f"reward function file {path!r} failed to import: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         present = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

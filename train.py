@@ -53,7 +53,7 @@ import yaml
 
 import algorithms as alg
 from data import PromptDataset, Sampler, atomic_write, load_tokenizer, pack_micro_batches, packed_inputs
-from model import ModelConfig, load_model
+from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, shard_name, validate_layout,
                       vocab_parallel_logprobs)
 from rewards import load_reward_fn, score_batch
@@ -847,10 +847,7 @@ class Trainer:
         meta_path = os.path.join(path, "meta.json")
         if not os.path.isfile(meta_path):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
-        try:
-            meta = json.loads(pathlib.Path(meta_path).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{meta_path}: not valid JSON ({e})") from e
+        meta = read_json(meta_path)
         from reshard import load_into
         load_into(self.actor.model, path)
         lay = self.layout
