@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, fused,
                       stage_layers)
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -154,9 +154,13 @@ class RMSNorm(nn.Module):
         self.weight.tp_dim, self.weight.tp_parts = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 and cast back before the scale, as transformers does
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return fused(rms_norm, x)(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # normalise in fp32 and cast back before the scale, as transformers does
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -178,6 +182,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: silu(gate) * up from the fused gate_up projection's output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 # ----------------------------------------------------------------------------- attention backends
@@ -386,7 +396,7 @@ class Attention(nn.Module):
         q, k, v = q.view(T, self.h, self.hd), k.view(T, self.hkv, self.hd), v.view(T, self.hkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = fused(apply_rope, q)(q, cos, sin), fused(apply_rope, k)(k, cos, sin)
         c, decode = ctx.cache, ctx.lengths is not None
         if c is not None:  # decode: token b is the next token of cache row b; prefill: rows are `slots`
             rows = torch.arange(T, device=x.device) if decode else ctx.slots
@@ -408,8 +418,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, layout, dtype, device)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(fused(silu_mul, gate_up)(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -280,48 +280,68 @@ class VocabParallelEmbedding(nn.Module):
 # ----------------------------------------------------------------------------- vocab-parallel log-probs
 
 
+def _logit_stats(logits, local, own, temperature: float):
+    """Per token, over this rank's vocabulary slice of z = logits / temperature: the max m, s = sum exp(z - m),
+    w = sum exp(z - m) * z and z at the target (0 where another rank owns it). One read of the logits when
+    compiled; no [T, V] tensor outlives it."""
+    z = logits.float() / temperature
+    m = z.amax(-1)
+    e = torch.exp(z - m.unsqueeze(-1))
+    z_t = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * own
+    return m, e.sum(-1), (e * z).sum(-1), z_t
+
+
+def _logit_grad(logits, local, own, lse, ez, g_logp, g_ent, temperature: float):
+    """d/dlogits of g_logp * log p(t) + g_ent * H, recomputing p from the logits (nothing [T, V] was saved):
+    (onehot(t) - p) * g_logp - p * (z - E_p[z]) * g_ent, over the temperature."""
+    z = logits.float() / temperature
+    p = torch.exp(z - lse.unsqueeze(-1))
+    hit = (torch.arange(z.shape[-1], device=z.device) == local.unsqueeze(-1)) & own.unsqueeze(-1)
+    grad = hit * g_logp.unsqueeze(-1) - p * (g_logp.unsqueeze(-1) + g_ent.unsqueeze(-1) * (z - ez.unsqueeze(-1)))
+    return (grad / temperature).to(logits.dtype)
+
+
+_compiled = {}
+
+
+def fused(fn, x: torch.Tensor):
+    """`fn` compiled into fused kernels when `x` is on a GPU, else `fn` itself (CPU runs the same math eagerly).
+    Elementwise chains and row reductions (softmax statistics, RMSNorm, RoPE) are memory-bound: as a dozen
+    separate kernels they read and write their [T, V] or [T, d] operand a dozen times, fused once or twice."""
+    if not x.is_cuda:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
 class _VocabParallelLogProb(torch.autograd.Function):
-    """log p(target) and (optionally) the entropy of softmax(logits / temperature) over a vocabulary
-    split across the TP group. Saves p (and z for the entropy) and reuses them in place in backward."""
+    """log p(target) and the entropy of softmax(logits / temperature) over a vocabulary split across the TP
+    group. Per-rank statistics are combined with all-reduces of [T] vectors: M = max_r m_r, then
+    S = sum_r s_r exp(m_r - M) and W = sum_r w_r exp(m_r - M), so lse = M + log S and E_p[z] = W / S.
+    Saves only the logits (as given, bf16 on GPU) and [T] vectors for the backward."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, with_entropy):
-        z = logits.float() / temperature  # a fresh tensor: the caller's logits are never modified
-        vmax = z.max(dim=-1).values
-        all_reduce(vmax, group, dist.ReduceOp.MAX)
-        z.sub_(vmax.unsqueeze(-1))
-        p = torch.exp(z)
-        sum_exp = all_reduce(p.sum(-1), group)
-        lse = sum_exp.log()
-        n = z.shape[-1]
+    def forward(ctx, logits, targets, group, temperature):
+        n = logits.shape[-1]
         local = targets - (0 if group is None else dist.get_rank(group)) * n
         own = (local >= 0) & (local < n)
         local = local.clamp(0, n - 1)
-        z_t = all_reduce(z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~own, 0.0), group)
-        logp = z_t - lse
-        p.div_(sum_exp.unsqueeze(-1))
-        ctx.group, ctx.temperature, ctx.with_entropy, ctx.dtype = group, temperature, with_entropy, logits.dtype
-        if not with_entropy:
-            ctx.save_for_backward(p, local, own)
-            return logp, logp.new_empty(0)
-        # E_p[z] as a batched dot product: no third [T, V/tp] temporary
-        ez = all_reduce(torch.bmm(p.unsqueeze(1), z.unsqueeze(-1)).view(-1), group)
-        ctx.save_for_backward(p, local, own, z, ez)
-        return logp, lse - ez
+        m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)
+        vmax = all_reduce(m.clone(), group, dist.ReduceOp.MAX)
+        scale = torch.exp(m - vmax)
+        sw = all_reduce(torch.stack([s * scale, w * scale]), group)
+        lse, ez = vmax + sw[0].log(), sw[1] / sw[0]
+        ctx.save_for_backward(logits, local, own, lse, ez)
+        ctx.temperature = temperature
+        return all_reduce(z_t, group) - lse, lse - ez
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        if ctx.with_entropy:
-            p, local, own, z, ez = ctx.saved_tensors
-            # -p * (g_logp + g_ent * (z - E_p[z])), built in z's memory
-            grad = z.sub_(ez.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_logp.unsqueeze(-1)).mul_(p).neg_()
-        else:
-            p, local, own = ctx.saved_tensors
-            grad = p.mul_(-g_logp.unsqueeze(-1))
-        grad.scatter_add_(-1, local.unsqueeze(-1), (g_logp * own).unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        return grad.to(ctx.dtype), None, None, None, None
+        logits, local, own, lse, ez = ctx.saved_tensors
+        grad = fused(_logit_grad, logits)(logits, local, own, lse, ez, g_logp.contiguous(), g_ent.contiguous(),
+                                           ctx.temperature)
+        return grad, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group, temperature: float = 1.0,
@@ -329,15 +349,14 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     """Log-probabilities of `targets` [T] (global ids) under softmax(logits / temperature), and the entropy
     of that distribution when asked; `logits` is this rank's vocabulary slice [T, V/tp].
 
-    Memory: the forward keeps p (and z = logits/temperature for the entropy) for the backward, which reuses
-    them in place: one [T, V/tp] fp32 copy (two with the entropy) per call lives until the backward. To
-    bound it, split long packs into smaller micro-batches. The backward may run only once."""
+    Memory: only the logits themselves are kept for the backward, which recomputes the softmax from them
+    (the entropy costs no extra memory: it is one more sum in the same pass)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
-    logp, ent = _VocabParallelLogProb.apply(logits, targets, tp_group, float(temperature), with_entropy)
+    logp, ent = _VocabParallelLogProb.apply(logits, targets, tp_group, float(temperature))
     return logp, (ent if with_entropy else None)
 
 

@@ -347,3 +347,27 @@ def test_lr_schedules():
     assert lr_at(50, 10, 1.0, 0, "linear", 0.2) == pytest.approx(0.2)  # clamped past the end
     with pytest.raises(ValueError, match="'cosine'"):
         lr_at(0, 10, 1.0, schedule="exp")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the compiled (fused) kernels")
+def test_fused_kernels_match_eager_cpu():
+    """On GPU the softmax statistics, RMSNorm, RoPE and SwiGLU run as torch.compile'd kernels; they must give
+    the CPU (eager) numbers: fp32 logits against the log_softmax reference, bf16 inputs against eager on the
+    same bf16 values."""
+    import model
+    from parallel import fused
+    args = vocab_inputs(2)
+    cuda_args = [a.cuda() if torch.is_tensor(a) else a for a in args]
+    check_vocab([{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in _vocab_case(*cuda_args).items()}], *args)
+    big = (torch.randn(300, 5000) * 4).bfloat16()
+    t, w, we = torch.randint(0, 5000, (300,)), torch.randn(300), torch.randn(300)
+    on_gpu = _vocab_case(big.cuda(), t.cuda(), w.cuda(), we.cuda(), 0.9)
+    on_cpu = _vocab_case(big, t, w, we, 0.9)
+    for k in ("logp", "ent", "grad", "grad_logp_only"):
+        assert rel_err(on_gpu[k].float().cpu(), on_cpu[k].float()) <= 1e-2, k
+    x, wt = torch.randn(64, 8, 32).bfloat16(), torch.randn(32).bfloat16()
+    cos, sin = torch.rand(64, 16), torch.rand(64, 16)
+    for fn, inputs in ((model.rms_norm, (x, wt, 1e-6)), (model.apply_rope, (x, cos, sin)),
+                       (model.silu_mul, (x,))):
+        gpu = fused(fn, inputs[0].cuda())(*[a.cuda() if torch.is_tensor(a) else a for a in inputs])
+        assert rel_err(gpu.float().cpu(), fn(*inputs).float()) <= 1e-2, fn.__name__
