@@ -27,6 +27,8 @@ rank) splits sequences over k ranks; by Graham's bound its largest load is at mo
 times optimal, and at most mean load + longest sequence. Each rank packs first-fit decreasing, and
 ranks with fewer micro-batches split their fullest ones (or add empty ones) until counts agree.
 Work is token count: attention's quadratic term is small while sequences are short next to the width.
+`micro_batch` packs a micro-batch's rows (prompt + response ids) and records where each response token
+lands in the [rows, R] tensors (`scatter_rows` puts per-token results back there).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _fsync(path: str) -> None:
+def fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)  # works for directories too: makes the rename itself durable
     try:
         os.fsync(fd)
@@ -81,12 +83,16 @@ def atomic_write(path: str, write) -> None:
     tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         write(tmp)
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _fsync(os.path.dirname(os.path.abspath(path)))
+    fsync(os.path.dirname(os.path.abspath(path)))
+
+
+def write_text(path: str, text: str) -> None:
+    atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 # ----------------------------------------------------------------------------- the dataset
@@ -442,6 +448,37 @@ def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
         "cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
         "max_seqlen": max(lens),
     }
+
+
+def micro_batch(prompts: list, responses: list, rows: list[int], device=None) -> dict:
+    """Pack rows (prompt + response token ids) into one micro-batch; `sel` are the packed positions whose
+    next token is a response token, (`row`, `col`) where each lands in the [len(rows), R] tensors."""
+    seqs = [prompts[i] + responses[i] for i in rows]
+    mb = packed_inputs(seqs) if seqs else {"input_ids": torch.zeros(0, dtype=torch.long),
+                                           "position_ids": torch.zeros(0, dtype=torch.long),
+                                           "cu_seqlens": torch.zeros(1, dtype=torch.int32), "max_seqlen": 0}
+    plen = torch.tensor([len(prompts[i]) for i in rows], dtype=torch.long)
+    rlen = torch.tensor([len(responses[i]) for i in rows], dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(rows)), rlen)
+    first = torch.cumsum(rlen, 0) - rlen
+    col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(first, rlen)
+    sel = mb["cu_seqlens"][:-1].long()[row] + plen[row] - 1 + col
+    mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long),
+              targets=mb["input_ids"][sel + 1] if len(sel) else torch.zeros(0, dtype=torch.long))
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+
+
+def dp_micro_batches(prompts: list, responses: list, rows: list[int], max_tokens: int, dp_size: int,
+                     dp_rank: int, device=None) -> list[dict]:
+    """DP rank `dp_rank`'s micro-batches of `rows`, balanced over the dp_size ranks by tokens."""
+    lens = [len(prompts[i]) + len(responses[i]) for i in rows]
+    plan = pack_micro_batches(lens, max_tokens, dp_size)[dp_rank]
+    return [micro_batch(prompts, responses, [rows[j] for j in mbi], device) for mbi in plan]
+
+
+def scatter_rows(mb: dict, values: torch.Tensor, R: int) -> torch.Tensor:
+    """Per-token values of a micro-batch -> [rows, R] (differentiable)."""
+    return values.new_zeros(len(mb["rows"]), R).index_put((mb["row"], mb["col"]), values)
 
 
 # ----------------------------------------------------------------------------- dataset preparation

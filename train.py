@@ -50,13 +50,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
 
 import algorithms as alg
-from data import PromptDataset, Sampler, atomic_write, load_tokenizer, pack_micro_batches, packed_inputs
+from data import PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
 from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, shard_name, validate_layout,
                       vocab_parallel_logprobs)
+from reshard import Resharder, collect_results, dispatch_prompts, load_into, save_model_shard
 from rewards import load_reward_fn, score_batch
+from rollout import Generator, SamplingParams
 
 # ----------------------------------------------------------------------------- config
 
@@ -239,12 +242,11 @@ CHOICES = {"data.truncation": ("error", "left", "right", "middle"), "actor.dtype
 
 def _build(cls, d: dict, prefix: str, source: str):
     """dict -> dataclass, naming the nearest valid key for an unknown one and checking types."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
+    fields, kwargs = [f.name for f in dataclasses.fields(cls)], {}
     for key, val in d.items():
         path = prefix + key
         if key not in fields:
-            near = difflib.get_close_matches(key, list(fields), n=1)
+            near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
             raise KeyError(f"{source}: unknown config key {path!r}{hint}")
         default = getattr(cls(), key)
@@ -281,31 +283,26 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
         if "=" not in ov:
             raise ValueError(f"override {ov!r} must look like key.path=value")
         key, val = ov.split("=", 1)
-        node = raw
-        *parents, last = key.split(".")
+        node, (*parents, last) = raw, key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise TypeError(f"override {ov!r}: {p} is not a mapping")
         node[last] = yaml.safe_load(val)
     cfg = _build(Config, raw, "", path)
-    check_config(cfg, path)
-    return cfg
-
-
-def check_config(cfg: Config, source: str) -> None:
-    d, a = cfg.data, cfg.actor
+    d, a = cfg.data, cfg.actor  # checks across keys
     for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
         if not val:
-            raise ValueError(f"{source}: {key} is required")
+            raise ValueError(f"{path}: {key} is required")
     if d.train_batch_size % a.ppo_mini_batch_size:
-        raise ValueError(f"{source}: data.train_batch_size={d.train_batch_size} must be a multiple of "
+        raise ValueError(f"{path}: data.train_batch_size={d.train_batch_size} must be a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
-        raise ValueError(f"{source}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the "
+        raise ValueError(f"{path}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the "
                          f"rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
     if cfg.rollout.temperature <= 0:
-        raise ValueError(f"{source}: rollout.temperature must be > 0 for training (log-probs divide by it)")
+        raise ValueError(f"{path}: rollout.temperature must be > 0 for training (log-probs divide by it)")
+    return cfg
 
 
 # ----------------------------------------------------------------------------- start-up
@@ -317,8 +314,7 @@ def init_distributed(cfg: Config) -> torch.device:
     use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
     if want == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
@@ -327,25 +323,9 @@ def init_distributed(cfg: Config) -> torch.device:
     return device
 
 
-def rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
-
-
 @dataclass
 class Role:
     """A model in the training layout with (for trained roles) its sharded optimizer."""
-
     model: torch.nn.Module
     optim: ShardedAdamW | None
     ocfg: OptimConfig | None
@@ -368,17 +348,9 @@ def all_gather_objects(obj) -> list:
     return parts
 
 
-def sum_dicts(dicts) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for d in dicts:
-        for k, v in d.items():
-            total[k] = total.get(k, 0.0) + float(v)
-    return total
-
-
-def agree(flag: bool, device) -> bool:
-    """True on every rank if it is true on any rank."""
-    return bool(world_sum(torch.tensor([float(flag)], device=device), True).item())
+def sum_dicts(dicts: list[dict]) -> dict[str, float]:
+    keys = dict.fromkeys(k for d in dicts for k in d)  # in first-seen order
+    return {k: sum(float(d[k]) for d in dicts if k in d) for k in keys}
 
 
 def barrier() -> None:
@@ -391,8 +363,7 @@ def timed(metrics: dict, name: str):
     """Add the seconds the block takes to metrics['timing_s/<name>']."""
     t0 = time.perf_counter()
     yield
-    key = f"timing_s/{name}"
-    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -401,7 +372,6 @@ def timed(metrics: dict, name: str):
 @dataclass
 class Batch:
     """All rollouts of one step (identical on every rank). Per-token tensors are [B, R]."""
-
     prompts: list                       # list[list[int]] per sample
     responses: list                     # list[list[int]] per sample
     index: torch.Tensor                 # [B] group id (the prompt's dataset index)
@@ -427,12 +397,7 @@ class Batch:
         return len(self.prompts)
 
     def select(self, keep: list[int]) -> Batch:
-        k = torch.tensor(keep, dtype=torch.long)
-        return Batch.combine([self], lambda ts: ts[0][k], lambda lists: [lists[0][i] for i in keep])
-
-    @staticmethod
-    def concat(batches: list[Batch]) -> Batch:
-        return Batch.combine(batches, torch.cat, lambda lists: sum(lists, []))
+        return Batch.combine([self], lambda ts: ts[0][keep], lambda lists: [lists[0][i] for i in keep])
 
     @staticmethod
     def combine(batches: list[Batch], tensors_fn, lists_fn) -> Batch:
@@ -445,43 +410,11 @@ class Batch:
         return Batch(**{f.name: one([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(Batch)})
 
 
-def micro_batch(batch: Batch, rows: list[int], device) -> dict:
-    """Pack rows (prompt + response) into one micro-batch; `sel` are the packed positions whose next
-    token is a response token, (`row`, `col`) where each lands in the [len(rows), R] tensors."""
-    seqs = [batch.prompts[i] + batch.responses[i] for i in rows]
-    mb = packed_inputs(seqs) if seqs else {"input_ids": torch.zeros(0, dtype=torch.long),
-                                           "position_ids": torch.zeros(0, dtype=torch.long),
-                                           "cu_seqlens": torch.zeros(1, dtype=torch.int32), "max_seqlen": 0}
-    plen = torch.tensor([len(batch.prompts[i]) for i in rows], dtype=torch.long)
-    rlen = torch.tensor([len(batch.responses[i]) for i in rows], dtype=torch.long)
-    row = torch.repeat_interleave(torch.arange(len(rows)), rlen)
-    first = torch.cumsum(rlen, 0) - rlen
-    col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(first, rlen)
-    sel = mb["cu_seqlens"][:-1].long()[row] + plen[row] - 1 + col
-    mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long),
-              targets=mb["input_ids"][sel + 1] if len(sel) else torch.zeros(0, dtype=torch.long))
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-
-
-def dp_micro_batches(batch: Batch, rows: list[int], max_tokens: int, layout, device) -> list[dict]:
-    """This DP rank's micro-batches of `rows`, balanced over DP ranks by tokens."""
-    lens = [len(batch.prompts[i]) + len(batch.responses[i]) for i in rows]
-    plan = pack_micro_batches(lens, max_tokens, layout.dp)[layout.dp_rank]
-    return [micro_batch(batch, [rows[j] for j in mbi], device) for mbi in plan]
-
-
-def scatter_rows(mb: dict, values: torch.Tensor, R: int) -> torch.Tensor:
-    """Per-token values of a micro-batch -> [rows, R] (differentiable)."""
-    out = values.new_zeros(len(mb["rows"]), R)
-    return out.index_put((mb["row"], mb["col"]), values)
-
-
 # ----------------------------------------------------------------------------- losses
 
 
 def actor_loss_fn(cfg: Config, layout, batch: Batch):
-    a, R = cfg.actor, batch.response_mask.shape[1]
-    T = batch.tensors
+    a, R, T = cfg.actor, batch.response_mask.shape[1], batch.tensors
 
     def fn(m, hidden, mb, denom):
         rows, dev = mb["rows"].cpu(), hidden.device
@@ -506,7 +439,6 @@ def actor_loss_fn(cfg: Config, layout, batch: Batch):
             loss = loss + a.kl_loss_coef * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()
         return loss, out
-
     return fn
 
 
@@ -519,10 +451,8 @@ def critic_loss_fn(cfg: Config, batch: Batch):
         mask = batch.response_mask[rows].to(dev)
         loss, clipfrac = alg.compute_value_loss(vpred, T["values"][rows].to(dev), T["returns"][rows].to(dev), mask,
                                                 denom["agg"], cliprange_value=c.cliprange_value,
-                                                loss_agg_mode=c.loss_agg_mode, horizon=R,
-                                                global_tokens=denom["tokens"])
+                                                loss_agg_mode=c.loss_agg_mode, horizon=R, global_tokens=denom["tokens"])
         return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac.detach()}
-
     return fn
 
 
@@ -535,11 +465,9 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg, self.out = cfg, cfg.trainer.output_dir
         self.device = init_distributed(cfg)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        random.seed(cfg.trainer.seed)
-        np.random.seed(cfg.trainer.seed)
-        torch.manual_seed(cfg.trainer.seed)
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        for seed in (random.seed, np.random.seed, torch.manual_seed):
+            seed(cfg.trainer.seed)
         a, p, d = cfg.actor, cfg.parallel, cfg.data
         self.mcfg = ModelConfig.from_dir(a.model_path)
         validate_layout(self.mcfg, p.train.tp, p.train.pp, self.world, name=a.model_path)
@@ -560,17 +488,13 @@ class Trainer:
         self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if kc.type == "fixed"
                         else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
         self.reward_fn = load_reward_fn(cfg.reward.fn or None)
-
-        def dataset(files):
-            return PromptDataset(files, self.tokenizer, d.max_prompt_length, d.truncation,
-                                 d.filter_overlong_prompts, d.prompt_key, d.cache_dir or None)
-        self.train_data = dataset(d.train_files)
-        self.val_data = dataset(d.val_files) if d.val_files else None
+        ds = (self.tokenizer, d.max_prompt_length, d.truncation, d.filter_overlong_prompts, d.prompt_key,
+              d.cache_dir or None)
+        self.train_data = PromptDataset(d.train_files, *ds)
+        self.val_data = PromptDataset(d.val_files, *ds) if d.val_files else None
         self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
-        from reshard import Resharder
         self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, seed=cfg.trainer.seed)
-        self.step = 0
-        self.nonfinite_skips = 0
+        self.step, self.nonfinite_skips = 0, 0
 
     def _role(self, path: str, ocfg: OptimConfig | None, value_head: bool = False) -> Role:
         """A model in the training layout: trained with `ocfg`, or frozen (the reference) without."""
@@ -586,18 +510,15 @@ class Trainer:
 
     # --- generation
     def generate(self, items: list[dict], temperature: float, n: int, seed: int):
-        from rollout import Generator, SamplingParams
-        from reshard import collect_results, dispatch_prompts
-        cfg, R = self.cfg, self.cfg.data.max_response_length
+        ro, R = self.cfg.rollout, self.cfg.data.max_response_length
         with self.resharder.generation() as gen_model:
             mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
             # the generator hashes (seed, local prompt index, ...): shift the seed by the replica's offset
-            params = SamplingParams(n=n, temperature=temperature, top_p=cfg.rollout.top_p,
-                                    top_k=cfg.rollout.top_k, max_new_tokens=R, seed=seed + 1_000_003 * offset)
-            gen = Generator(gen_model, max_rows=cfg.rollout.max_rows, max_len=cfg.data.max_prompt_length + R,
-                            kv_cache_tokens=cfg.rollout.kv_cache_tokens or None,
-                            gpu_memory_fraction=cfg.rollout.gpu_memory_fraction,
-                            use_cuda_graphs=cfg.rollout.use_cuda_graphs)
+            params = SamplingParams(n=n, temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=R,
+                                    seed=seed + 1_000_003 * offset)
+            gen = Generator(gen_model, max_rows=ro.max_rows, max_len=self.cfg.data.max_prompt_length + R,
+                            kv_cache_tokens=ro.kv_cache_tokens or None, gpu_memory_fraction=ro.gpu_memory_fraction,
+                            use_cuda_graphs=ro.use_cuda_graphs)
             try:
                 done = gen.generate(mine, params, eos_token_ids=self.eos_ids)
             finally:
@@ -605,13 +526,11 @@ class Trainer:
             return collect_results(done, offset, self.resharder.gen_layout)
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int]:
-        """(scores, the scorer's extra values, scorer errors), computed for a 1/W share of the samples on
-        each rank and then all-gathered."""
+        """(scores, the scorer's extra values, scorer errors): each rank scores 1/W of the samples, all-gathered."""
         texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
         share = list(range(self.rank, len(batch), self.world))
-        scores, extras, errors = score_batch(self.reward_fn, [batch.data_source[i] for i in share],
-                                             [texts[i] for i in share], [batch.ground_truth[i] for i in share],
-                                             [batch.extra_info[i] for i in share])
+        cols = (batch.data_source, texts, batch.ground_truth, batch.extra_info)
+        scores, extras, errors = score_batch(self.reward_fn, *([col[i] for i in share] for col in cols))
         parts = all_gather_objects((share, scores, extras, errors))
         full, ext = torch.zeros(len(batch)), {}
         for idx, sc, ex, _ in parts:
@@ -623,10 +542,8 @@ class Trainer:
 
     def rollout_batch(self) -> tuple[Batch, dict]:
         """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
-        cfg = self.cfg
+        cfg, kept, num_prompts, gen_batches, metrics = self.cfg, [], 0, 0, {}
         fg, n = cfg.algorithm.filter_groups, cfg.rollout.n
-        kept: list[Batch] = []
-        num_prompts, gen_batches, metrics = 0, 0, {}
         while num_prompts < cfg.data.train_batch_size:
             if gen_batches >= max(fg.max_num_gen_batches, 1) and fg.enable:
                 raise RuntimeError(f"algorithm.filter_groups: only {num_prompts} of {cfg.data.train_batch_size} "
@@ -639,8 +556,7 @@ class Trainer:
             batch = Batch.from_completions(items, comps, cfg.data.max_response_length)
             scores, extras, errors = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
-            batch.tensors["score"] = scores
-            batch.tensors.update({"extra/" + k: v for k, v in extras.items()})
+            batch.tensors.update(score=scores, **{"extra/" + k: v for k, v in extras.items()})
             gen_batches += 1
             if not fg.enable:
                 return batch, metrics
@@ -652,23 +568,21 @@ class Trainer:
             kept.append(batch.select(keep))
             num_prompts += len(keep) // n
         metrics["train/num_gen_batches"] = float(gen_batches)
-        return Batch.concat(kept).select(list(range(cfg.data.train_batch_size * n))), metrics
+        batch = Batch.combine(kept, torch.cat, lambda lists: sum(lists, []))  # concatenate
+        return batch.select(list(range(cfg.data.train_batch_size * n))), metrics
 
     # --- forward passes and updates in the training layout
     def forward_only(self, role: Role, batch: Batch, values: bool = False) -> torch.Tensor:
-        """The responses' log-probs (or, with `values`, the critic's values) as [B, R] on every rank,
-        forward-only over the whole batch in packed micro-batches."""
+        """The responses' log-probs (or, with `values`, the critic's values) as [B, R] on every rank; forward only."""
         lay, R = self.layout, batch.response_mask.shape[1]
 
         def fn(m, hidden, mb):
             h = hidden[mb["sel"]]
-            if values:
-                return hidden.new_zeros(()), {"out": m.values(h)}
-            logp, _ = vocab_parallel_logprobs(m.logits(h), mb["targets"], lay.tp_group, self.cfg.rollout.temperature)
-            return hidden.new_zeros(()), {"out": logp}
-
-        mbs = dp_micro_batches(batch, list(range(len(batch))), self.cfg.actor.max_tokens_per_micro_batch, lay,
-                               self.device)
+            out = m.values(h) if values else vocab_parallel_logprobs(m.logits(h), mb["targets"], lay.tp_group,
+                                                                     self.cfg.rollout.temperature)[0]
+            return hidden.new_zeros(()), {"out": out}
+        mbs = dp_micro_batches(batch.prompts, batch.responses, list(range(len(batch))),
+                               self.cfg.actor.max_tokens_per_micro_batch, lay.dp, lay.dp_rank, self.device)
         role.model.eval()
         with torch.no_grad():
             outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)
@@ -683,15 +597,15 @@ class Trainer:
         """`epochs` x mini-batches of optimizer steps; loss_fn(model, hidden, mb, denom) -> (loss, metrics).
         Returns the loss metrics averaged over the optimizer steps, `<name>/grad_norm` and `<name>/lr`."""
         cfg, lay, o = self.cfg, self.layout, role.ocfg
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        mini, per_step = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, []  # rows per mini-batch; metrics per step
         lr = lr_at(self.step, cfg.trainer.total_steps, o.lr, o.lr_warmup_steps, o.lr_schedule, o.min_lr_ratio)
-        per_step = []
         for _ in range(epochs):
             for start in range(0, len(batch), mini):
                 rows = list(range(start, min(start + mini, len(batch))))
                 mask = batch.response_mask[rows]
                 denom = {"agg": alg.loss_denominator(mask, agg_mode), "tokens": float(mask.sum())}
-                mbs = dp_micro_batches(batch, rows, cfg.actor.max_tokens_per_micro_batch, lay, self.device)
+                mbs = dp_micro_batches(batch.prompts, batch.responses, rows, cfg.actor.max_tokens_per_micro_batch,
+                                       lay.dp, lay.dp_rank, self.device)
                 role.optim.zero_grad()
                 outs = pipeline_forward_backward(role.model, lay, mbs, lambda m, h, mb: loss_fn(m, h, mb, denom))
                 role.optim.reduce_gradients()
@@ -710,11 +624,9 @@ class Trainer:
         cfg, al, t_start = self.cfg, self.cfg.algorithm, time.perf_counter()
         batch, metrics = self.rollout_batch()
         metrics["timing_s/reshard"] = self.resharder.last_timing
-        T, mask = batch.tensors, batch.response_mask
-        resp_len = mask.sum(-1)
-        scores = T["score"]
-        if al.overlong_buffer.enable:
-            ob = al.overlong_buffer
+        T, mask, ob = batch.tensors, batch.response_mask, al.overlong_buffer
+        resp_len, scores = mask.sum(-1), T["score"]
+        if ob.enable:
             scores = scores + alg.compute_overlong_penalty(resp_len, cfg.data.max_response_length, ob.len,
                                                            ob.penalty_factor)
         token_scores = torch.zeros_like(mask)  # the outcome reward sits on the last response token
@@ -745,19 +657,16 @@ class Trainer:
                 metrics.update(self.update(self.critic, batch, critic_loss_fn(cfg, batch), epochs,
                                            cfg.critic.loss_agg_mode, "critic"))
         with timed(metrics, "update_actor"):
-            actor_metrics = self.update(self.actor, batch, actor_loss_fn(cfg, self.layout, batch),
-                                        cfg.actor.ppo_epochs, cfg.actor.loss_agg_mode, "actor")
-        metrics.update(actor_metrics)
+            metrics.update(self.update(self.actor, batch, actor_loss_fn(cfg, self.layout, batch),
+                                       cfg.actor.ppo_epochs, cfg.actor.loss_agg_mode, "actor"))
         metrics["timing_s/step"] = time.perf_counter() - t_start
-        metrics.update(self.batch_metrics(batch, scores, rewards, metrics["timing_s/step"],
-                                          metrics["timing_s/update_actor"]))
-        return metrics
+        return {**metrics, **self.batch_metrics(batch, scores, rewards, metrics)}
 
-    def batch_metrics(self, batch: Batch, scores, rewards, step_time: float, t_update: float) -> dict:
-        cfg, mask, c = self.cfg, batch.response_mask, self.mcfg
-        resp_len = mask.sum(-1)
+    def batch_metrics(self, batch: Batch, scores, rewards, timing: dict) -> dict:
+        cfg, c, valid = self.cfg, self.mcfg, batch.response_mask.bool()
+        resp_len = batch.response_mask.sum(-1)
         plen = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
-        valid = mask.bool()
+        tokens = float(resp_len.sum() + plen.sum())
         adv, ret = ((batch.tensors["advantages"][valid], batch.tensors["returns"][valid]) if valid.any()
                     else (torch.zeros(1), torch.zeros(1)))
         m = {"critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
@@ -766,14 +675,13 @@ class Trainer:
              "critic/advantages/min": adv.min().item(), "critic/returns/mean": ret.mean().item(),
              "response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
              "response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
-             "prompt_length/mean": plen.mean().item()}
-        tokens = float(resp_len.sum() + plen.sum())
-        m["perf/total_num_tokens"] = tokens
-        m["perf/throughput"] = tokens / step_time / self.world
+             "prompt_length/mean": plen.mean().item(), "perf/total_num_tokens": tokens,
+             "perf/throughput": tokens / timing["timing_s/step"] / self.world}
         # actor update FLOPs: 6N per token (forward + backward) + causal attention, per PPO epoch
         attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float(((resp_len + plen) ** 2).sum()) / 2
         flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs
-        m["perf/mfu/actor"] = flops / max(t_update, 1e-9) / self.world / (cfg.trainer.peak_tflops * 1e12)
+        t_update = max(timing["timing_s/update_actor"], 1e-9)
+        m["perf/mfu/actor"] = flops / t_update / self.world / (cfg.trainer.peak_tflops * 1e12)
         if self.device.type == "cuda":
             m["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -783,8 +691,7 @@ class Trainer:
     def validate(self) -> dict:
         cfg, vd = self.cfg, self.val_data
         n = len(vd) if cfg.data.val_max_samples < 0 else min(len(vd), cfg.data.val_max_samples)
-        by_src: dict[str, list] = {}
-        records = []
+        by_src, records = {}, []  # scores by data source; the first 64 samples, written out
         for start in range(0, n, cfg.data.val_batch_size):
             items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
             comps = self.generate(items, cfg.rollout.val_temperature, cfg.rollout.val_n, seed=cfg.trainer.seed)
@@ -806,17 +713,17 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Every rank writes its shards into step_N.tmp; rank 0 makes them durable, renames the directory to
         step_N and only then writes `latest`, so a crash at any point leaves `latest` naming a complete one."""
-        from reshard import save_model_shard
         root, lay = os.path.join(self.out, "checkpoints"), self.layout
-        final = os.path.join(root, f"step_{self.step}")
-        tmp = final + ".tmp"
+        final, tmp = os.path.join(root, f"step_{self.step}"), os.path.join(root, f"step_{self.step}.tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         barrier()
         save_model_shard(self.actor.model, lay, tmp)
         state = {"step": self.step, "optim": self.actor.optim.state_dict(), "sampler": self.sampler.state_dict(),
-                 "rng": rng_state(), "kl_ctrl": self.kl_ctrl.state_dict(), "nonfinite_skips": self.nonfinite_skips}
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "nonfinite_skips": self.nonfinite_skips,
+                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                         **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}}
         if self.critic is not None:
             state.update(critic_model=self.critic.model.state_dict(), critic_optim=self.critic.optim.state_dict())
         torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
@@ -827,7 +734,8 @@ class Trainer:
             for f in os.listdir(self.cfg.actor.model_path):
                 if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
                     shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
-            _fsync_dir(tmp)
+            for f in [*(os.path.join(tmp, f) for f in os.listdir(tmp)), tmp]:
+                fsync(f)  # every rank's shards reach the disk before the rename publishes them
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_text(os.path.join(root, "latest"), str(self.step))
@@ -839,24 +747,26 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         """trainer.resume: never | auto (checkpoints/latest, if any) | PATH of a step_N directory."""
-        r, root = self.cfg.trainer.resume, os.path.join(self.out, "checkpoints")
+        r, root, lay = self.cfg.trainer.resume, os.path.join(self.out, "checkpoints"), self.layout
         latest = os.path.join(root, "latest")
         if r == "never" or (r == "auto" and not os.path.isfile(latest)):
             return
         path = os.path.join(root, f"step_{pathlib.Path(latest).read_text().strip()}") if r == "auto" else r
-        meta_path = os.path.join(path, "meta.json")
-        if not os.path.isfile(meta_path):
+        if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
-        meta = read_json(meta_path)
-        from reshard import load_into
+        meta = read_json(os.path.join(path, "meta.json"))
         load_into(self.actor.model, path)
-        lay = self.layout
         same = (meta["tp"], meta["pp"], meta["dp"]) == (lay.tp, lay.pp, lay.dp)
         mine = shard_name(lay, with_dp=True) if same else "dp0_pp0_tp0"  # another layout: rank 0's sampler, counters
         st = torch.load(os.path.join(path, f"state_{mine}.pt"), weights_only=False)
         if same:
             self.actor.optim.load_state_dict(st["optim"])
-            set_rng_state(st["rng"])
+            rng = st["rng"]
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
             if self.critic is not None:
                 self.critic.model.load_state_dict(st["critic_model"])
                 self.critic.optim.load_state_dict(st["critic_optim"])
@@ -871,68 +781,48 @@ class Trainer:
 
     # --- the loop
     def fit(self) -> None:
+        tc = self.cfg.trainer
         if self.rank == 0:
             os.makedirs(self.out, exist_ok=True)
             write_text(os.path.join(self.out, "config.yaml"),
                        yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
         self.maybe_resume()
-        logger = Logger(self.cfg, self.rank)
-        stop = {"sigterm": False}
+        logger, stop = Logger(self.cfg, self.rank), {"sigterm": False}
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
         try:
-            self._loop(logger, stop)
+            if self.val_data is not None and tc.val_before_train and self.step == 0:
+                logger.log(self.step, self.validate())
+            bar = tqdm(total=tc.total_steps, initial=self.step, disable=self.rank > 0, desc="steps", dynamic_ncols=True)
+            while self.step < tc.total_steps:
+                try:
+                    metrics = self.train_step()
+                except FloatingPointError as e:
+                    self.nonfinite_skips += 1
+                    if self.nonfinite_skips > tc.max_nonfinite_skips:
+                        raise
+                    print(f"[nanorl] step {self.step + 1} skipped: {e}", file=sys.stderr, flush=True)
+                    metrics = {"train/nonfinite_skipped": 1.0}
+                self.step += 1
+                last = self.step == tc.total_steps
+                if self.val_data is not None and tc.test_freq > 0 and (self.step % tc.test_freq == 0 or last):
+                    metrics.update(self.validate())
+                logger.log(self.step, metrics)
+                bar.update(1)
+                # a SIGTERM on any rank stops all of them, after the same step
+                sigterm = bool(world_sum(torch.tensor([float(stop["sigterm"])], device=self.device), True).item())
+                if sigterm or (tc.save_freq > 0 and (self.step % tc.save_freq == 0 or last)):
+                    self.save_checkpoint()
+                if sigterm:
+                    print(f"[nanorl] SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
+                    break
+            bar.close()
         finally:
             signal.signal(signal.SIGTERM, previous)
             logger.close()
 
-    def _loop(self, logger: Logger, stop: dict) -> None:
-        tc = self.cfg.trainer
-        if self.val_data is not None and tc.val_before_train and self.step == 0:
-            logger.log(self.step, self.validate())
-        from tqdm import tqdm
-        bar = tqdm(total=tc.total_steps, initial=self.step, disable=self.rank != 0, desc="steps", dynamic_ncols=True)
-        while self.step < tc.total_steps:
-            try:
-                metrics = self.train_step()
-            except FloatingPointError as e:
-                self.nonfinite_skips += 1
-                if self.nonfinite_skips > tc.max_nonfinite_skips:
-                    raise
-                print(f"[nanorl] step {self.step + 1} skipped: {e}", file=sys.stderr, flush=True)
-                metrics = {"train/nonfinite_skipped": 1.0}
-            self.step += 1
-            last = self.step == tc.total_steps
-            if self.val_data is not None and tc.test_freq > 0 and (self.step % tc.test_freq == 0 or last):
-                metrics.update(self.validate())
-            logger.log(self.step, metrics)
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
-                            len=f"{metrics.get('response_length/mean', 0):.0f}",
-                            s=f"{metrics.get('timing_s/step', 0):.1f}")
-            sigterm = agree(stop["sigterm"], self.device)
-            if sigterm or (tc.save_freq > 0 and (self.step % tc.save_freq == 0 or last)):
-                self.save_checkpoint()
-            if sigterm:
-                print(f"[nanorl] SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
-                break
-        bar.close()
-
-
-def _fsync_dir(d: str) -> None:
-    """Every file in d (all ranks' shards) reaches the disk before the rename publishes them."""
-    for f in [*(os.path.join(d, f) for f in os.listdir(d)), d]:
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-
-
-def write_text(path: str, text: str) -> None:
-    atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text))
-
 
 class Logger:
     """Console line, metrics.jsonl and (when installed) TensorBoard, on rank 0."""
-
     CONSOLE = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "actor/entropy": "entropy",
                "actor/ppo_kl": "ppo_kl", "response_length/mean": "response_length", "timing_s/step": "step"}
 
@@ -959,9 +849,8 @@ class Logger:
                 self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        for sink in (self.jsonl, self.tb):
-            if sink:
-                sink.close()
+        for sink in filter(None, (self.jsonl, self.tb)):
+            sink.close()
 
 
 def main(argv: list[str] | None = None) -> None:
