@@ -283,7 +283,8 @@ class PromptDataset:
                     continue
                 if self.truncation == "error":
                     raise ValueError(f"{f}: row {r}: prompt is {len(ids)} tokens, over max_prompt_length="
-                                     f"{self.max_prompt_length} (use filter_overlong or a truncation mode)")
+                                     f"{self.max_prompt_length} (set data.filter_overlong_prompts: true or a "
+                                     "data.truncation mode)")
                 ids = _fit(ids, self.max_prompt_length, self.truncation)
             truth = rm.get("ground_truth") if isinstance(rm, dict) else None
             if truth is None:
