@@ -364,7 +364,9 @@ def test_load_into_errors(tmp_path):
     reshard.save_model_shard(m, Layout(), str(ck))
     json.dump({"step": 0, "tp": 1, "pp": 1, "dp": 1, "model_config": {**m.cfg.raw, "intermediate_size": 128}},
               open(ck / "meta.json", "w"))
-    with pytest.raises(ValueError, match="stage 0 holds|intermediate_size"):
+    # meta.json says intermediate_size 128: the shard's fused gate_up (2 x 112 rows) disagrees with it
+    with pytest.raises(ValueError, match=r"model_pp0_tp0\.safetensors: tensor 'layers\.0\.mlp\.gate_up_proj\.weight' "
+                                         r"has shape \[224, 64\], expected \[256, 64\]"):
         reshard.load_into(m, str(ck))
     json.dump({"step": 0, "tp": 2, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck / "meta.json", "w"))
     with pytest.raises(FileNotFoundError, match="lacks .*model_pp0_tp1.safetensors"):
