@@ -200,3 +200,52 @@ def test_nonfinite_loss_on_one_rank_is_skipped_by_all(small_synth, tmp_path):
     assert "actor/pg_loss" in rows[2] and all(r["changed"] for r in res)
     res = helpers.run_distributed(_nan_on_rank, 2, small_synth, str(tmp_path / "abort"), 0, 0)
     assert all("non-finite grad norm" in r["raised"] and r["step"] == 1 for r in res)
+
+
+def _run_rows(rank, world, synth, out, *extra):
+    train.main([CONFIG, *overrides(synth, out, "trainer.test_freq=-1", "actor.ppo_mini_batch_size=32", *extra)])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f] if rank == 0 else None
+
+
+def test_checkpoint_resumes_into_another_layout(small_synth, tmp_path):
+    """Saved with tp=2 at step 1, resumed with dp=2: step 2 (one mini-batch, so its loss is computed before
+    any update) matches the uninterrupted tp=2 run within 1e-5. The weights and sampler carry over exactly;
+    Adam's moments restart in a new layout (say so in the log), so later steps drift apart."""
+    tp2 = str(tmp_path / "tp2")
+    full = helpers.run_distributed(_run_rows, 2, small_synth, tp2, "trainer.total_steps=2", "trainer.save_freq=1",
+                                   "parallel.train.tp=2")[0]
+    dp2 = helpers.run_distributed(_run_rows, 2, small_synth, str(tmp_path / "dp2"), "trainer.total_steps=2",
+                                  f"trainer.resume={tp2}/checkpoints/step_1")[0]
+    assert [r["step"] for r in dp2] == [2]
+    for k in ("actor/pg_loss", "critic/score/mean", "actor/entropy", "actor/ppo_kl", "response_length/mean"):
+        assert abs(dp2[0][k] - full[1][k]) <= 1e-5 * max(1.0, abs(full[1][k])), (k, dp2[0][k], full[1][k])
+
+
+DIE_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+real = train.Trainer.train_step
+def dying(self):
+    if self.step == 1 and self.rank == 1:
+        os._exit(3)  # a crashed GPU or OOM-killed process: no exception, no goodbye
+    return real(self)
+train.Trainer.train_step = dying
+train.main(sys.argv[1:])
+"""
+
+
+def test_dead_rank_fails_the_job_within_the_timeout(small_synth, tmp_path):
+    """torchrun, 2 ranks, rank 1 vanishes in step 2: the job exits non-zero, well within the collective
+    timeout plus start-up, instead of hanging."""
+    import time
+    script = tmp_path / "die.py"
+    script.write_text(DIE_ON_RANK_1.format(root=ROOT))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script), CONFIG,
+                           *overrides(small_synth, str(tmp_path / "out"), "trainer.total_steps=4",
+                                      "trainer.test_freq=-1", "trainer.timeout_s=30")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert time.time() - t0 < 150, f"took {time.time() - t0:.0f} s"
