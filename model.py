@@ -137,8 +137,7 @@ class ModelConfig:
     def num_params(self, with_embedding: bool = True) -> int:
         """Matrix parameters N (norms and biases are negligible); MFU uses N without the input embedding."""
         d, hd = self.hidden_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * d * self.intermediate_size
+        layer = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * self.intermediate_size
         n = self.num_layers * layer + self.vocab_size * d  # LM head (the tied case counts it once)
         return n + (self.vocab_size * d if with_embedding and not self.tie_word_embeddings else 0)
 
@@ -166,8 +165,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = cfg.rope_scaling
-    if s:  # Llama 3: scale long wavelengths by 1/factor, keep short ones, blend in between
+    if s := cfg.rope_scaling:  # Llama 3: scale long wavelengths by 1/factor, keep short ones, blend in between
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
@@ -249,8 +247,7 @@ def decode_attention(q, k_cache, v_cache, lengths):
     no host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _flash_decode(q, k_cache, v_cache, lengths)
-    B, H, d = q.shape
-    hkv, L = k_cache.shape[1], k_cache.shape[2]
+    (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
     qg = q.view(B, hkv, H // hkv, d)
     scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d ** -0.5  # [B, hkv, g, L]
     valid = torch.arange(L, device=q.device)[None, :] < lengths[:, None]
@@ -317,8 +314,7 @@ if TRITON:
 
 def _flash_decode(q, k_cache, v_cache, lengths, block: int = 64):
     """Split-K flash decoding: enough splits of each row's keys to fill the GPU at small batch."""
-    B, H, d = q.shape
-    hkv, L = k_cache.shape[1], k_cache.shape[2]
+    (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
     G, GP, DP = H // hkv, max(16, triton.next_power_of_2(H // hkv)), max(16, triton.next_power_of_2(d))
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     S = max(1, min(triton.cdiv(L, block), triton.cdiv(4 * sms, B * hkv)))
@@ -358,8 +354,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         shape = (num_layers, rows, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.rows, self.max_len = rows, max_len
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
@@ -459,9 +454,8 @@ class Transformer(nn.Module):
         if last and lm_head:  # tied on one stage: the same Parameter, counted once, updated once
             self.lm_head = self.embed_tokens if cfg.tie_word_embeddings and first else embedding()
         self.value_head = nn.Linear(cfg.hidden_size, 1, **kw) if (last and value_head) else None
-        if self.value_head is not None:
-            for p in self.value_head.parameters():
-                p.tp_dim, p.tp_parts = None, None
+        for p in self.value_head.parameters() if self.value_head is not None else ():
+            p.tp_dim, p.tp_parts = None, None
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.gradient_checkpointing = False
         self.attn_backend = attention_backend(torch.device(device or "cpu"))
@@ -515,15 +509,11 @@ class Transformer(nn.Module):
         for name, p in params:
             pieces = []
             for j, hf in enumerate(self.hf_names(name)):
-                shape = list(p.shape)
-                if p.tp_dim is not None:
-                    shape[p.tp_dim] = p.tp_parts[j]
-                full = full_tensor(name, j, hf, shape)
-                if p.tp_dim is None:
-                    pieces.append(full[:])
-                else:
-                    n = shape[p.tp_dim] // t
-                    pieces.append(full[(slice(None),) * p.tp_dim + (slice(r * n, (r + 1) * n),)])
+                d, shape = p.tp_dim, list(p.shape)
+                if d is not None:  # piece j in full; this rank reads its slice r of t along d
+                    shape[d] = p.tp_parts[j]
+                full, n = full_tensor(name, j, hf, shape), shape[d or 0] // t
+                pieces.append(full[:] if d is None else full[(slice(None),) * d + (slice(r * n, (r + 1) * n),)])
             with torch.no_grad():
                 p.copy_(torch.cat(pieces, dim=p.tp_dim or 0))
 
