@@ -113,8 +113,7 @@ def _new_group(ranks: list[int]):
 
 def make_layout(tp: int = 1, pp: int = 1) -> Layout:
     """Build the training layout from torchrun's environment (or one process when not distributed)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     if tp < 1 or pp < 1 or world % (tp * pp) != 0:
         raise ValueError(f"parallel.train: world size {world} is not divisible by tp*pp = {tp}*{pp}; "
                          f"valid (tp, pp) have tp*pp dividing {world}")
@@ -207,13 +206,18 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _ReduceFromTP.apply(x, group)
 
 
-def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """Concatenate every TP rank's x along the last dim (no autograd; generation and tests)."""
+def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x stacked into [ranks, *x.shape], the same on every rank of `group` (no autograd)."""
     if group is None:
-        return x
+        return x.unsqueeze(0)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.stack(parts)
+
+
+def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every TP rank's x along the last dim (no autograd; generation and tests)."""
+    return x if group is None else torch.cat(all_gather_stack(x, group).unbind(0), dim=-1)
 
 
 # ----------------------------------------------------------------------------- TP layers
@@ -384,7 +388,6 @@ def _forward_step(model, layout: Layout, mb: dict, x, loss_fn):
 
 
 def _backward_step(x, y, dy):
-    """Backpropagate one micro-batch through this stage; returns the gradient of its input (or None)."""
     torch.autograd.backward(y, grad_tensors=dy)
     return None if x is None else x.grad
 
@@ -406,9 +409,8 @@ def _p2p(layout: Layout, recv_buffer, send_next=None, send_prev=None, recv_prev=
         if recv is not None:
             got[i] = recv_buffer(recv)
             ops.append(dist.P2POp(dist.irecv, got[i], layout.pp_ranks[peer], layout.pp_group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
     return got[0], got[1]
 
 
@@ -478,13 +480,11 @@ def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, r
 
 
 def _to_cpu(obj):
-    if torch.is_tensor(obj):
-        return obj.cpu()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+    return obj.cpu() if torch.is_tensor(obj) else obj
 
 
 def broadcast_from_last_stage(obj, layout: Layout):
@@ -526,9 +526,8 @@ class ShardedAdamW:
         self.tied = None
         if layout.embed_group is not None and getattr(model.cfg, "tie_word_embeddings", False):
             mine = model.embed_tokens if layout.is_first_stage else model.lm_head
-            both = all_reduce(torch.tensor([float(mine is not None)], device=dev), layout.embed_group,
-                              dist.ReduceOp.MIN)
-            if both.item() == 1.0:
+            ok = all_reduce(torch.tensor([float(mine is not None)], device=dev), layout.embed_group, dist.ReduceOp.MIN)
+            if ok.item() == 1.0:
                 self.tied = mine.weight
         # flat order: the tied copy, replicated, sharded, then TP-partial last (one contiguous all-reduce)
         named.sort(key=lambda item: self._kind(item[1])[::-1])
@@ -558,10 +557,9 @@ class ShardedAdamW:
     def _kind(self, p) -> tuple[bool, float, bool]:
         """(weight decay?, weight in the grad norm, TP-partial grad?). The norm weight is 1 for TP-sharded
         parameters, 1/tp for replicated ones (every TP rank holds the same copy), 0 for the tied copy."""
-        partial = bool(getattr(p, "tp_partial_grad", False))
         weight = 0.0 if p is self.tied and not self.layout.is_first_stage else (
             1.0 if p.tp_dim is not None else 1.0 / self.layout.tp)
-        return p.dim() >= 2, weight, partial
+        return p.dim() >= 2, weight, bool(getattr(p, "tp_partial_grad", False))
 
     def _segments(self) -> list[tuple[int, int, bool, float]]:
         """Runs (start, end, decay, norm weight) of equal kind, clipped to this rank's shard and made local."""
@@ -619,10 +617,8 @@ class ShardedAdamW:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
         norm = sq.sqrt().item()
-        if max_norm > 0 and math.isfinite(norm):
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                g.mul_(coef)
+        if max_norm > 0 and math.isfinite(norm) and (coef := max_norm / (norm + 1e-6)) < 1.0:
+            g.mul_(coef)
         return norm
 
     @torch.no_grad()
@@ -645,8 +641,7 @@ class ShardedAdamW:
         """All-gather the master shards into the compute parameters (cast to their dtype). The fp32 grad
         buffer is spent by now: its memory stages the gathered weights, and it is zeroed after."""
         dtype, lay = self.params[0].dtype, self.layout
-        n = self.grad_buffer.numel()
-        full = self.grad_buffer.view(torch.uint8)[:n * dtype.itemsize].view(dtype)
+        full = self.grad_buffer.view(torch.uint8)[:self.grad_buffer.numel() * dtype.itemsize].view(dtype)
         mine = self.master.to(dtype)
         if lay.dp_group is None:
             full.copy_(mine)
