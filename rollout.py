@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import math
 import os
 import time
@@ -58,7 +57,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model import AttnContext, KVCache, Transformer, load_model
+from model import AttnContext, KVCache, Transformer, load_model, read_json
+from parallel import all_gather_stack
 
 MAX_STOP_IDS = 64  # capacity of the static stop-token buffer the decode graphs read
 LEN_BUCKET = 128  # decode graphs attend over a multiple of this many cache positions
@@ -126,15 +126,6 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- vocab-parallel sampling
 
 
-def _tp_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, k] on each TP rank -> [tp, B, k], the same on every rank."""
-    if group is None:
-        return x.unsqueeze(0)
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.stack(parts)
-
-
 def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """x kept strictly below total, which fp32 rounding of u * total could otherwise reach."""
     return torch.minimum(x, total * (1 - 2.0 ** -23))
@@ -172,7 +163,7 @@ def greedy_tokens(logits: torch.Tensor, group, vocab_start: int = 0, limit: int 
     lse = torch.logsumexp(logits, -1)
     z = logits if limit is None else logits.masked_fill(_beyond(logits, limit), float("-inf"))
     val, idx = z.max(-1)
-    g = _tp_gather(torch.stack([val, (idx + vocab_start).float(), lse], -1), group)  # [tp, B, 3]
+    g = all_gather_stack(torch.stack([val, (idx + vocab_start).float(), lse], -1), group)  # [tp, B, 3]
     win = g[..., 0].argmax(0)  # the first maximum: lowest rank, so lowest id on ties
     pick = g.gather(0, win[None, :, None].expand(1, -1, 3))[0]
     return pick[:, 1].long(), pick[:, 0] - torch.logsumexp(g[..., 2], 0)
@@ -193,7 +184,7 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, gro
         return idx + vocab_start, p.gather(1, idx[:, None])[:, 0].log()
     rank = dist.get_rank(group)
     lse = torch.logsumexp(z, -1)
-    g = _tp_gather(torch.stack([lse, mass], -1), group)  # [tp, B, 2]
+    g = all_gather_stack(torch.stack([lse, mass], -1), group)  # [tp, B, 2]
     lse_all = torch.logsumexp(g[..., 0], 0)
     share = (g[..., 0] - lse_all).exp()  # each slice's normaliser as a fraction of the whole
     incl = (g[..., 1] * share).cumsum(0)  # [tp, B]: mass up to and including each rank's slice
@@ -219,7 +210,7 @@ def sample_top_k_top_p(logits: torch.Tensor, u: torch.Tensor, temperature: float
         z = z.masked_fill(_beyond(z, limit), float("-inf"))
     k = min(top_k, V) if top_k > 0 else V
     vals, ids = z.topk(k, dim=-1)  # sorted, largest first
-    g = _tp_gather(torch.cat([lse[:, None], vals, (ids + vocab_start).float()], -1), group)  # [tp, B, 1+2k]
+    g = all_gather_stack(torch.cat([lse[:, None], vals, (ids + vocab_start).float()], -1), group)  # [tp, B, 1+2k]
     lse = torch.logsumexp(g[..., 0], 0)
     cv, ci = g[..., 1:1 + k].transpose(0, 1).reshape(B, -1), g[..., 1 + k:].transpose(0, 1).reshape(B, -1)
     if group is not None:  # merge the ranks' candidates
@@ -283,8 +274,7 @@ class Generator:
         self.memory_fraction, self.sync_every = gpu_memory_fraction, sync_every
         self.max_prefill_tokens = max_prefill_tokens
         self.use_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.cache: KVCache | None = None
-        self.graphs: dict = {}
+        self.cache, self.graphs = None, {}  # the cache is sized at the first generate() when max_len is None
         self.stats = dict(prefill_forwards=0, prefill_tokens=0, decode_steps=0, syncs=0, compactions=0,
                           graphs_captured=0)
         if max_len is not None:
@@ -419,7 +409,16 @@ class Generator:
         if len(max_new) != len(prompts) or not all(isinstance(m, int) and m >= 1 for m in max_new):
             raise ValueError(f"max_new_tokens: expected {len(prompts)} ints >= 1 (one per prompt), "
                              f"got {max_new_tokens!r}")
-        self._check_prompts(prompts, max_new)
+        V = self.model.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} has token id {min(p) if min(p) < 0 else max(p)} outside the "
+                                 f"model's vocabulary 0..{V - 1}")
+            if self.fixed_len is not None and len(p) + max_new[i] > self.fixed_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it needs "
+                                 f"{len(p) + max_new[i]} cache positions but the Generator's max_len={self.fixed_len}")
         stops = sorted({int(t) for t in params.stop_token_ids} |
                        (set() if params.ignore_eos else {int(t) for t in _as_tuple(eos_token_ids)}))
         if len(stops) > MAX_STOP_IDS:
@@ -437,18 +436,6 @@ class Generator:
         self.lengths.fill_(1)
         with torch.no_grad():
             return self._run(prompts, params, max_new, set(stops), progress)
-
-    def _check_prompts(self, prompts, max_new: list[int]) -> None:
-        V = self.model.cfg.vocab_size
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} has token id {min(p) if min(p) < 0 else max(p)} outside the "
-                                 f"model's vocabulary 0..{V - 1}")
-            if self.fixed_len is not None and len(p) + max_new[i] > self.fixed_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it needs "
-                                 f"{len(p) + max_new[i]} cache positions but the Generator's max_len={self.fixed_len}")
 
     def _run(self, prompts, params: SamplingParams, max_new: list[int], stops: set, progress: bool) -> list[Completion]:
         n, R = params.n, self.cache.rows
@@ -564,8 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     eos = set(_as_tuple(tok.eos_token_id))
     gen_cfg = os.path.join(args.model_dir, "generation_config.json")
     if os.path.isfile(gen_cfg):
-        with open(gen_cfg) as f:
-            eos |= set(_as_tuple(json.load(f).get("eos_token_id")))
+        eos |= set(_as_tuple(read_json(gen_cfg).get("eos_token_id")))
     model = load_model(args.model_dir, dtype=dtype, device=device).eval()
     gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
