@@ -162,17 +162,15 @@ class PromptDataset:
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str = "error",
                  filter_overlong: bool = True, prompt_key: str = "prompt", cache_dir: str | None = None,
                  lock_timeout: float = 1800.0):
-        if isinstance(files, str):
-            files = [files]
+        files = [files] if isinstance(files, str) else files
         if not files:
             raise ValueError("PromptDataset needs at least one parquet file")
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATIONS}")
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
-        for f in files:
-            if not os.path.isfile(f):
-                raise FileNotFoundError(f"data file {f!r} does not exist")
+        if missing := [f for f in files if not os.path.isfile(f)]:
+            raise FileNotFoundError(f"data file {missing[0]!r} does not exist")
         self.files = [os.path.abspath(f) for f in files]
         self.tokenizer, self.max_prompt_length, self.truncation = tokenizer, max_prompt_length, truncation
         self.filter_overlong, self.prompt_key, self.lock_timeout = filter_overlong, prompt_key, lock_timeout
@@ -208,8 +206,7 @@ class PromptDataset:
         lock = self.cache_path + ".lock"
         deadline = time.monotonic() + self.lock_timeout
         while True:
-            table = self._try_open()
-            if table is not None:
+            if (table := self._try_open()) is not None:
                 return table
             try:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -223,15 +220,12 @@ class PromptDataset:
             try:
                 os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
                 os.close(fd)
-                # Someone may have finished between our check and taking the lock.
-                table = self._try_open()
-                if table is None:
+                if (table := self._try_open()) is None:  # unless someone finished before we took the lock
                     if os.path.exists(self.cache_path):
                         logger.warning("rebuilding unusable cache %s (%s)", self.cache_path, self._unusable)
                     atomic_write(self.cache_path, self._build)
                     self.cache_built = True
-                    table = self._try_open()
-                    if table is None:
+                    if (table := self._try_open()) is None:
                         raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
                 return table
             finally:
@@ -246,8 +240,7 @@ class PromptDataset:
                 t = pq.read_table(f)
             except (OSError, pa.ArrowException) as e:
                 raise ValueError(f"{f}: not a readable parquet file ({e})") from e
-            missing = [c for c in (self.prompt_key, "data_source", "reward_model") if c not in t.column_names]
-            if missing:
+            if missing := [c for c in (self.prompt_key, "data_source", "reward_model") if c not in t.column_names]:
                 raise ValueError(f"{f}: missing column(s) {missing}; the file has columns {t.column_names}")
             prompts += [[{"role": "user", "content": p}] if isinstance(p, str)
                         else _check_messages(p, f"{f}: row {r}: column {self.prompt_key!r}")
@@ -307,8 +300,7 @@ class PromptDataset:
         # which would turn every batch draw into a copy of the whole dataset.
         with open(out_path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table.combine_chunks())
-        logger.info("built prompt cache %s: %d prompts in %.1fs", self.cache_path, len(keep),
-                    time.perf_counter() - t0)
+        logger.info("built prompt cache %s: %d prompts in %.1fs", self.cache_path, len(keep), time.perf_counter() - t0)
 
     def __len__(self) -> int:
         return self._table.num_rows
@@ -319,8 +311,7 @@ class PromptDataset:
         return self.get_batch([i % len(self)])[0]
 
     def get_batch(self, indices: list[int]) -> list[dict]:
-        bad = [i for i in indices if not 0 <= i < len(self)]
-        if bad:
+        if bad := [i for i in indices if not 0 <= i < len(self)]:
             raise IndexError(f"indices {bad[:5]} out of range for a dataset of {len(self)} prompts")
         table = self._table.take(pa.array(indices, pa.int64()))
         ids = table.column("prompt_ids").combine_chunks()
@@ -396,8 +387,7 @@ def _lpt_partition(seq_lens: list[int], k: int) -> list[list[int]]:
 
 
 def _first_fit_decreasing(items: list[int], seq_lens: list[int], budget: int) -> list[list[int]]:
-    bins: list[list[int]] = []
-    room: list[int] = []
+    bins, room = [], []  # the sequences of each micro-batch, and its tokens left
     for i in sorted(items, key=lambda i: (-seq_lens[i], i)):
         b = next((b for b, r in enumerate(room) if r >= seq_lens[i]), len(bins))
         if b == len(bins):
@@ -408,8 +398,7 @@ def _first_fit_decreasing(items: list[int], seq_lens: list[int], budget: int) ->
     return bins
 
 
-def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int,
-                       dp_size: int) -> list[list[list[int]]]:
+def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int, dp_size: int) -> list[list[list[int]]]:
     """result[dp_rank][micro_batch] = sorted sequence indices (see the module docstring): each micro-batch
     within the token budget, each sequence in exactly one, the same number (some maybe empty) on every rank."""
     budget = max_tokens_per_micro_batch
@@ -443,12 +432,8 @@ def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
         raise ValueError("packed_inputs needs at least one sequence")
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     lens = [len(s) for s in seqs]
-    return {
-        "input_ids": torch.cat(seqs),
-        "position_ids": torch.cat([torch.arange(n, dtype=torch.long) for n in lens]),
-        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32),
-        "max_seqlen": max(lens),
-    }
+    return {"input_ids": torch.cat(seqs), "position_ids": torch.cat([torch.arange(n, dtype=torch.long) for n in lens]),
+            "cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32), "max_seqlen": max(lens)}
 
 
 def micro_batch(prompts: list, responses: list, rows: list[int], device=None) -> dict:
