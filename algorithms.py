@@ -97,9 +97,8 @@ def _group_stats(scores: torch.Tensor, index: torch.Tensor):
 # --------------------------------------------------------------------------- advantage estimators
 
 
-def compute_gae_advantage_return(
-    token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                                 gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}; R_t = A_t + V_t.
 
     Masked positions are skipped: they neither contribute a TD error nor break the
@@ -120,10 +119,9 @@ def compute_gae_advantage_return(
     return masked_whiten(adv, mask) * mask, returns
 
 
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor, epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   index: torch.Tensor, epsilon: float = 1e-6,
+                                   norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon), std unbiased; Dr.GRPO (no std): A_i = s_i - mean_g.
 
     A singleton group has no baseline: mean 0 and std 1, so A_i = s_i / (1 + eps) (verl).
@@ -140,9 +138,8 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: A_i = s_i - (1/(n-1)) sum_{j != i} s_j = n/(n-1) (s_i - mean_g) for a group of n.
 
     Convention: a singleton group has no other sample to form a baseline, so its
@@ -156,9 +153,8 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
-def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                                  gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: G_t = r_t + gamma G_{t+1} (reset at masked tokens); A = whiten(G) over the batch.
 
     Returns (A, G), G being the (unwhitened) discounted returns to go.
@@ -175,9 +171,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return masked_whiten(returns, mask) * mask, returns
 
 
-def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor, epsilon: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
+                                                           response_mask: torch.Tensor, index: torch.Tensor,
+                                                           epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps inside the sqrt.
 
     A singleton group's mean is 0 (as in GRPO). Returns (A, A).
@@ -193,11 +189,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
-def compute_advantage(
-    adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-    index: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantage(adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                      index: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0,
+                      lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to the estimator named `adv_estimator`; returns (advantages, returns)."""
     if adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and index is None:
         raise ValueError(f"adv_estimator={adv_estimator!r} needs the group ids `index`")
@@ -259,10 +253,8 @@ def _metric_tokens(loss_agg_mode: str, global_denominator: float, global_tokens:
         return max(float(global_tokens), 1e-8)
     if loss_agg_mode == "token-mean":
         return max(float(global_denominator), 1e-8)
-    raise ValueError(
-        f"loss_agg_mode={loss_agg_mode!r} counts sequences; pass global_tokens "
-        "(sum of loss_denominator(mask, 'token-mean') over micro-batches and ranks) for the metrics"
-    )
+    raise ValueError(f"loss_agg_mode={loss_agg_mode!r} counts sequences; pass global_tokens "
+                     "(sum of loss_denominator(mask, 'token-mean') over micro-batches and ranks) for the metrics")
 
 
 # --------------------------------------------------------------------------- policy and value losses
@@ -270,12 +262,12 @@ def _metric_tokens(loss_agg_mode: str, global_denominator: float, global_tokens:
 POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo")
 
 
-def compute_policy_loss(
-    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-    global_denominator: float, loss_agg_mode: str = "token-mean", clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, policy_loss_mode: str = "vanilla",
-    horizon: int | None = None, rollout_is_weights: torch.Tensor | None = None, global_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, global_denominator: float, loss_agg_mode: str = "token-mean",
+                        clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                        policy_loss_mode: str = "vanilla", horizon: int | None = None,
+                        rollout_is_weights: torch.Tensor | None = None,
+                        global_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss; returns (pg_loss, metrics).
 
     vanilla: rho = exp(clamp(logp - logp_old, -20, 20)),
@@ -321,19 +313,15 @@ def compute_policy_loss(
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights.detach()
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_denominator, horizon)
-    metrics = {
-        "pg_clipfrac": (_masked_sum(clipfrac, response_mask) / metric_denom).detach(),
-        "pg_clipfrac_lower": (_masked_sum(clipfrac_lower, response_mask) / metric_denom).detach(),
-        "ppo_kl": (_masked_sum(-log_ratio, response_mask) / metric_denom).detach(),
-    }
+    metrics = {k: (_masked_sum(x, response_mask) / metric_denom).detach()
+               for k, x in (("pg_clipfrac", clipfrac), ("pg_clipfrac_lower", clipfrac_lower), ("ppo_kl", -log_ratio))}
     return pg_loss, metrics
 
 
-def compute_value_loss(
-    vpreds: torch.Tensor, values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
-    global_denominator: float, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
-    horizon: int | None = None, global_tokens: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_value_loss(vpreds: torch.Tensor, values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
+                       global_denominator: float, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
+                       horizon: int | None = None,
+                       global_tokens: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped critic loss 0.5 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
 
     vf_clipfrac = sum(m [clipped branch larger]) / global_tokens, a contribution like the pg metrics.
@@ -405,10 +393,9 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def apply_kl_penalty(
-    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-    response_mask: torch.Tensor, kl_ctrl: FixedKLController | AdaptiveKLController, kl_penalty: str = "kl",
-) -> tuple[torch.Tensor, dict[str, float]]:
+def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                     response_mask: torch.Tensor, kl_ctrl: FixedKLController | AdaptiveKLController,
+                     kl_penalty: str = "kl") -> tuple[torch.Tensor, dict[str, float]]:
     """KL in reward: r_t = score_t - beta kl_t; then update beta with the batch KL.
 
     The batch KL is mean_i (mean_t kl_{i,t}), the mean per-sequence KL, and the controller
@@ -442,9 +429,8 @@ def filter_groups(metric_values: torch.Tensor, index: torch.Tensor) -> torch.Ten
     return ((gmax > gmin) | (count == 1))[gid]
 
 
-def compute_overlong_penalty(
-    response_length: torch.Tensor, max_response_length: int, overlong_buffer_len: int, penalty_factor: float
-) -> torch.Tensor:
+def compute_overlong_penalty(response_length: torch.Tensor, max_response_length: int, overlong_buffer_len: int,
+                             penalty_factor: float) -> torch.Tensor:
     """DAPO soft overlong punishment: min(0, -(len - (L_max - L_buf)) / L_buf * penalty_factor).
 
     0 up to L_max - L_buf, then linear down to -penalty_factor at L_max.
@@ -456,10 +442,8 @@ def compute_overlong_penalty(
 # --------------------------------------------------------------------------- rollout correction
 
 
-def compute_rollout_is_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float = 2.0,
-    level: str = "token",
-) -> torch.Tensor:
+def compute_rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                               threshold: float = 2.0, level: str = "token") -> torch.Tensor:
     """Truncated importance weights pi_train / pi_rollout correcting the sampler/trainer mismatch.
 
     token: w_t = min(exp(logp_old_t - logp_rollout_t), threshold);
@@ -478,9 +462,8 @@ def compute_rollout_is_weights(
     return torch.where(mask.bool(), w, torch.zeros_like(w)) * mask
 
 
-def rollout_mismatch_metrics(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
+def rollout_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                             response_mask: torch.Tensor) -> dict[str, float]:
     """|p_train - p_rollout| of the sampled tokens over valid tokens: mean, max, std."""
     valid = response_mask.bool()
     diff = (torch.exp(old_log_prob) - torch.exp(rollout_log_prob)).abs()[valid].double()
