@@ -177,8 +177,7 @@ class Resharder:
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
         self.gen_seed = seed * 100_003 + self.gen_layout.dp_rank + 1  # one stream per generation TP group
         self._rng, self._held, self._offloaded, self.last_timing = {"train": None, "gen": None}, [], [], 0.0
-        dtypes = {p.dtype for p in model.parameters()}
-        if len(dtypes) != 1:
+        if len(dtypes := {p.dtype for p in model.parameters()}) != 1:
             raise ValueError(f"Resharder needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.dtype, self.device = dtypes.pop(), next(model.parameters()).device
         self.stats = dict(gen_bytes=0, buckets=0, max_bucket_bytes=0, pad_bytes=0, recv_bytes=0, released_bytes=0,
@@ -321,8 +320,7 @@ class Resharder:
         cuda = self.device.type == "cuda"
         leave, enter = ("train", "gen") if to_generation else ("gen", "train")
         self._rng[leave] = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
-        new = self._rng[enter]
-        if new is None:  # the first generation: seed its stream
+        if (new := self._rng[enter]) is None:  # the first generation: seed its stream
             torch.random.default_generator.manual_seed(self.gen_seed)
             if cuda:
                 torch.cuda.default_generators[self.device.index or 0].manual_seed(self.gen_seed)
@@ -389,8 +387,7 @@ class _Checkpoint:
     """Full HF-named tensors read out of a sharded checkpoint, one at a time."""
 
     def __init__(self, ckpt_dir: str):
-        f = os.path.join(ckpt_dir, "meta.json")
-        if not os.path.isfile(f):
+        if not os.path.isfile(f := os.path.join(ckpt_dir, "meta.json")):
             raise FileNotFoundError(f"{ckpt_dir!r} is not a checkpoint directory (no meta.json)")
         self.meta = read_json(f)
         self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
@@ -406,8 +403,7 @@ class _Checkpoint:
             skel = Transformer(self.cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta",
                                value_head="value_head.weight" in keys,
                                lm_head="lm_head.weight" in keys or (self.cfg.tie_word_embeddings and pp == 1))
-            named = dict(skel.named_parameters())
-            if set(named) != keys:
+            if set(named := dict(skel.named_parameters())) != keys:
                 raise ValueError(f"{ckpt_dir}: stage {p} holds {sorted(keys ^ set(named))} unlike a "
                                  f"{self.cfg.architecture} stage of tp={tp}, pp={pp}")
             for name, prm in named.items():
@@ -444,8 +440,7 @@ def load_into(model: Transformer, ckpt_dir: str) -> None:
                          ", ".join(f"{k}={theirs[k]!r} (model has {mine[k]!r})" for k in diff))
     for name, p in model.named_parameters():
         full = torch.cat([ck.tensor(hf) for hf in model.hf_names(name)], p.tp_dim or 0)
-        local = _sub(full, p.tp_dim, p.tp_parts, model.layout.tp, model.layout.tp_rank)
-        if local.shape != p.shape:
+        if (local := _sub(full, p.tp_dim, p.tp_parts, model.layout.tp, model.layout.tp_rank)).shape != p.shape:
             raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, "
                              f"model has {list(p.shape)}")
         p.copy_(local)
@@ -480,9 +475,7 @@ def _write_hf(ck: _Checkpoint, ckpt_dir: str, tmp: str, dtype: torch.dtype | Non
         save_file(cur, os.path.join(tmp, f"part{len(shards)}"), metadata={"format": "pt"})
         shards.append(list(cur))
         cur.clear()
-    for hf in ck.index:
-        if hf.startswith("value_head."):
-            continue  # a critic's head is no part of a causal LM
+    for hf in [h for h in ck.index if not h.startswith("value_head.")]:  # a critic's head is no part of a causal LM
         t = ck.tensor(hf).to(dtype=dtype).contiguous()  # dtype None: as stored
         if cur and sum(v.nbytes for v in cur.values()) + t.nbytes > max_shard_bytes:
             flush()
