@@ -30,8 +30,7 @@ With tensor parallelism a rank holds heads/tp of the heads and intermediate/tp o
 parallel.py); with pipeline parallelism it holds a contiguous slice of the layers, the embedding only on
 the first stage and the final norm and head only on the last. Generation uses two more paths against a
 static KV cache: `prefill` (packed prompts, writing their k/v) and `decode` (one token for each cache row,
-attending to the row's past).
-"""
+attending to the row's past)."""
 from __future__ import annotations
 
 import glob
@@ -99,8 +98,7 @@ class ModelConfig:
     def from_dir(cls, path: str) -> "ModelConfig":
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
-        f = os.path.join(path, "config.json")
-        if not os.path.isfile(f):
+        if not os.path.isfile(f := os.path.join(path, "config.json")):
             raise FileNotFoundError(f"model directory {path!r} has no config.json")
         return cls.from_hf(read_json(f), source=f)
 
@@ -111,16 +109,14 @@ class ModelConfig:
                 raise ValueError(f"{source}: no architectures and model_type {c.get('model_type')!r} is not "
                                  f"supported; supported: {sorted(MODEL_TYPES)}")
             c = {**c, "architectures": [MODEL_TYPES[c["model_type"]]]}
-        arch = c["architectures"][0]
-        if arch not in SUPPORTED:
+        if (arch := c["architectures"][0]) not in SUPPORTED:
             raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}")
         if missing := [k for k in REQUIRED_KEYS if k not in c]:
             raise ValueError(f"{source}: missing required key(s) {missing}")
         # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
-        rtype = rope.get("rope_type", rope.get("type", "default"))
-        if rtype not in ("default", "llama3"):
+        if (rtype := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "llama3"):
             raise ValueError(f"{source}: rope type {rtype!r} is not supported; supported: default, llama3")
         heads = c["num_attention_heads"]
         sw = c.get("sliding_window") if c.get("use_sliding_window", arch == "MistralForCausalLM") else None
@@ -148,8 +144,7 @@ class ModelConfig:
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.weight.tp_dim, self.weight.tp_parts = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -337,8 +332,7 @@ class AttnContext:
     train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token, the cache row
     `slots` it belongs to (positions come from position_ids).  decode: `cache`, one token per cache row
     0..B-1 at position lengths-1 (position_ids), `lengths` = tokens in each row after this one is written,
-    and optionally max_seqlen >= max(lengths) to read only that prefix of the rows (0: the whole row).
-    """
+    and optionally max_seqlen >= max(lengths) to read only that prefix of the rows (0: the whole row)."""
 
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
@@ -529,12 +523,10 @@ class Transformer(nn.Module):
 
     def load_hf(self, path: str) -> None:
         """Read this rank's slices straight from the safetensors files (never the whole model)."""
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
+        if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
             where = {k: os.path.join(path, v) for k, v in read_json(index)["weight_map"].items()}
         else:
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
+            if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
                 raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights "
                                         "(nor model.safetensors.index.json)")
             where = {k: fn for fn in files for k in open_safetensors(fn).keys()}
