@@ -44,8 +44,7 @@ KL to a reference policy is estimated per token from the sampled token only
   k1 = x,  k2 = x^2 / 2,  k3 = exp(-x) + x - 1.
 k1 and k3 are unbiased for KL(pi || ref); k3 is never negative and has low
 variance. The KL is either subtracted from rewards with a fixed or adaptive
-coefficient (`apply_kl_penalty`) or added to the actor loss.
-"""
+coefficient (`apply_kl_penalty`) or added to the actor loss."""
 from __future__ import annotations
 
 import math
@@ -70,8 +69,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     """sum(m (x - mean)^2) / sum(m), times the Bessel factor N/(N-1) when unbiased and N > 1."""
     centered = x - masked_mean(x, mask)
     var = masked_mean(centered * centered, mask)
-    n = float(mask.to(x.dtype).sum())
-    if unbiased and n > 1:
+    if unbiased and (n := float(mask.to(x.dtype).sum())) > 1:
         var = var * (n / (n - 1))
     return var
 
@@ -103,8 +101,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
 
     Masked positions are skipped: they neither contribute a TD error nor break the
     recurrence (V_{t+1} and A_{t+1} are taken from the next *valid* token; 0 past the
-    end). Advantages are then whitened over the valid tokens of the whole batch.
-    """
+    end). Advantages are then whitened over the valid tokens of the whole batch."""
     mask = response_mask.to(values.dtype)
     rewards, values = token_level_rewards.to(values.dtype) * mask, values * mask
     next_value = next_adv = torch.zeros_like(values[:, 0])
@@ -125,8 +122,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon), std unbiased; Dr.GRPO (no std): A_i = s_i - mean_g.
 
     A singleton group has no baseline: mean 0 and std 1, so A_i = s_i / (1 + eps) (verl).
-    Returns (A, A) broadcast over valid tokens.
-    """
+    Returns (A, A) broadcast over valid tokens."""
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _masked_sum(token_level_rewards, mask, dim=-1)
     count, mean, std = _group_stats(scores, index)
@@ -143,8 +139,7 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     """RLOO: A_i = s_i - (1/(n-1)) sum_{j != i} s_j = n/(n-1) (s_i - mean_g) for a group of n.
 
     Convention: a singleton group has no other sample to form a baseline, so its
-    advantage is 0 (it teaches nothing). verl instead passes the raw score through.
-    """
+    advantage is 0 (it teaches nothing). verl instead passes the raw score through."""
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _masked_sum(token_level_rewards, mask, dim=-1)
     count, mean, _ = _group_stats(scores, index)
@@ -157,12 +152,10 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
                                                   gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: G_t = r_t + gamma G_{t+1} (reset at masked tokens); A = whiten(G) over the batch.
 
-    Returns (A, G), G being the (unwhitened) discounted returns to go.
-    """
+    Returns (A, G), G being the (unwhitened) discounted returns to go."""
     mask = response_mask.to(token_level_rewards.dtype)
     rewards = token_level_rewards * mask
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
+    returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
@@ -176,8 +169,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
                                                            epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps inside the sqrt.
 
-    A singleton group's mean is 0 (as in GRPO). Returns (A, A).
-    """
+    A singleton group's mean is 0 (as in GRPO). Returns (A, A)."""
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _masked_sum(token_level_rewards, mask, dim=-1)
     count, mean, _ = _group_stats(scores, index)
@@ -219,8 +211,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 def loss_denominator(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
     """Local count of this micro-batch: valid tokens (token-mean) or rows with >= 1 valid token (seq-*).
 
-    The trainer sums it over all micro-batches and DP ranks of a mini-batch into `global_denominator`.
-    """
+    The trainer sums it over all micro-batches and DP ranks of a mini-batch into `global_denominator`."""
     if loss_agg_mode == "token-mean":
         return float(response_mask.to(torch.float64).sum())
     elif loss_agg_mode in LOSS_AGG_MODES:
@@ -233,8 +224,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     """This micro-batch's share of the mini-batch loss (formulas in the module docstring).
 
     token-mean / seq-mean-token-sum: sum(m L) / D;  seq-mean-token-mean: sum_i(mean_t L) / D;
-    seq-mean-token-sum-norm: sum(m L) / (D * horizon). D = `global_denominator`.
-    """
+    seq-mean-token-sum-norm: sum(m L) / (D * horizon). D = `global_denominator`."""
     denom = max(float(global_denominator), 1e-8)  # an all-padding mini-batch gives 0, not nan
     if loss_agg_mode in ("token-mean", "seq-mean-token-sum"):
         return _masked_sum(loss_mat, loss_mask) / denom
@@ -284,8 +274,7 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     metrics (0-dim, detached): pg_clipfrac, pg_clipfrac_lower, ppo_kl = mean(logp_old - logp),
     each as sum(x m) / global_tokens, i.e. this micro-batch's *contribution*: summing
     them over micro-batches and ranks gives the mini-batch value. global_tokens
-    defaults to global_denominator in token-mean mode and is required otherwise.
-    """
+    defaults to global_denominator in token-mean mode and is required otherwise."""
     metric_denom = _metric_tokens(loss_agg_mode, global_denominator, global_tokens)
     log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -324,12 +313,10 @@ def compute_value_loss(vpreds: torch.Tensor, values: torch.Tensor, returns: torc
                        global_tokens: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped critic loss 0.5 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
 
-    vf_clipfrac = sum(m [clipped branch larger]) / global_tokens, a contribution like the pg metrics.
-    """
+    vf_clipfrac = sum(m [clipped branch larger]) / global_tokens, a contribution like the pg metrics."""
     metric_denom = _metric_tokens(loss_agg_mode, global_denominator, global_tokens)
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
-    loss1 = (vpreds - returns) ** 2
-    loss2 = (vpred_clipped - returns) ** 2
+    loss1, loss2 = (vpreds - returns) ** 2, (vpred_clipped - returns) ** 2
     vf_loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), response_mask, loss_agg_mode, global_denominator, horizon)
     vf_clipfrac = (_masked_sum((loss2 > loss1).to(vpreds.dtype), response_mask) / metric_denom).detach()
     return vf_loss, vf_clipfrac
@@ -344,8 +331,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
     """Per-token KL estimate from x = logp - logp_ref of the sampled token.
 
     kl/k1: x;  abs: |x|;  mse/k2: x^2 / 2;  low_var_kl/k3: exp(-x) + x - 1, with -x clamped to
-    [-20, 20] and the result to [-10, 10] so a rare huge ratio cannot blow up the loss.
-    """
+    [-20, 20] and the result to [-10, 10] so a rare huge ratio cannot blow up the loss."""
     x = log_prob - ref_log_prob
     if kl_penalty in ("kl", "k1"):
         return x
@@ -382,8 +368,7 @@ class AdaptiveKLController(FixedKLController):
     """Ziegler et al. (2019): beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n_steps / horizon).
 
     beta grows when the measured KL overshoots the target and shrinks when it undershoots,
-    by at most 20% per `horizon` samples.
-    """
+    by at most 20% per `horizon` samples."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         self.value, self.target, self.horizon = float(init_kl_coef), float(target_kl), int(horizon)
@@ -400,8 +385,7 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tenso
 
     The batch KL is mean_i (mean_t kl_{i,t}), the mean per-sequence KL, and the controller
     steps by n_steps = batch size. Call it on the full batch (identical on every rank) so
-    the controllers of all ranks stay in lockstep.
-    """
+    the controllers of all ranks stay in lockstep."""
     mask = response_mask.to(token_level_scores.dtype)
     kld = _kl_estimate(old_log_prob, ref_log_prob, kl_penalty) * mask
     beta = kl_ctrl.value
@@ -418,8 +402,7 @@ def filter_groups(metric_values: torch.Tensor, index: torch.Tensor) -> torch.Ten
     """DAPO dynamic sampling: keep[i] = (std of the metric in i's group > 0) or (group size 1).
 
     A group whose samples all scored the same has zero advantage under GRPO and only dilutes
-    the batch. std > 0 is tested as max != min, gathered with scatter_reduce on group ids.
-    """
+    the batch. std > 0 is tested as max != min, gathered with scatter_reduce on group ids."""
     metric_values = torch.as_tensor(metric_values, dtype=torch.float64)
     _, gid = torch.unique(index, return_inverse=True)
     g = int(gid.max()) + 1
@@ -433,8 +416,7 @@ def compute_overlong_penalty(response_length: torch.Tensor, max_response_length:
                              penalty_factor: float) -> torch.Tensor:
     """DAPO soft overlong punishment: min(0, -(len - (L_max - L_buf)) / L_buf * penalty_factor).
 
-    0 up to L_max - L_buf, then linear down to -penalty_factor at L_max.
-    """
+    0 up to L_max - L_buf, then linear down to -penalty_factor at L_max."""
     exceed = response_length.to(torch.float32) - (max_response_length - overlong_buffer_len)
     return torch.clamp(-exceed / overlong_buffer_len * penalty_factor, max=0.0)
 
@@ -448,8 +430,7 @@ def compute_rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: tor
 
     token: w_t = min(exp(logp_old_t - logp_rollout_t), threshold);
     sequence: w = min(exp(sum_t (logp_old_t - logp_rollout_t)), threshold), broadcast over tokens.
-    Detached; 0 on padding.
-    """
+    Detached; 0 on padding."""
     mask = response_mask.to(old_log_prob.dtype)
     log_ratio = (old_log_prob - rollout_log_prob).detach()
     if level == "token":
