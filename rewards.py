@@ -24,8 +24,7 @@ The rules:
 
 `load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same
 signature, and `score_batch` runs a scorer over a batch without letting one bad
-sample crash the run.
-"""
+sample crash the run."""
 from __future__ import annotations
 
 import importlib.util
@@ -60,8 +59,7 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", fo
                 score: float = 1.0) -> float:
     """`score` if the extracted answer equals the ground truth as a string, `format_score` if an
     answer was found but differs, 0 if none was found."""
-    answer = gsm8k_extract(solution_str, method)
-    if answer is None:
+    if (answer := gsm8k_extract(solution_str, method)) is None:
         return 0.0
     return score if answer == ground_truth.strip().replace(",", "") else format_score
 
@@ -71,8 +69,7 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", fo
 
 def last_boxed_only_string(text: str) -> str | None:
     """The last "\\boxed{...}" / "\\fbox{...}" with balanced braces (or "\\boxed x" up to "$"), or None."""
-    idx = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if idx < 0:
+    if (idx := max(text.rfind("\\boxed"), text.rfind("\\fbox"))) < 0:
         return None
     if text.startswith("\\boxed ", idx):
         return "\\boxed " + text[idx + len("\\boxed "):].split("$")[0]
@@ -114,8 +111,7 @@ def strip_math_string(s: str) -> str:
     s = re.sub(r"\^([0-9a-zA-Z])", r"^{\1}", s)  # LaTeX reads x^23 as x^{2}3
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators, not a tuple
         s = s.replace(",", "")
-    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
-    if m:
+    if m := re.fullmatch(r"(-?\d+)/(\d+)", s):
         s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     s = re.sub(r"(?<![0-9])\.(?=[0-9])", "0.", s)  # .5 -> 0.5
     s = re.sub(r"(\d)\.0+(?![0-9])", r"\1", s)  # 72.0 -> 72
@@ -147,8 +143,7 @@ def is_equiv(a: str | None, b: str | None) -> bool:
 
 def math_score(solution_str: str, ground_truth: str) -> float:
     """1.0 if the last boxed answer of the response equals the ground truth, else 0.0."""
-    boxed = last_boxed_only_string(solution_str)
-    if boxed is None:
+    if (boxed := last_boxed_only_string(solution_str)) is None:
         return 0.0
     if "\\boxed" in ground_truth or "\\fbox" in ground_truth:
         ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)
@@ -204,8 +199,7 @@ _SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> fl
 def load_reward_fn(spec: str | None) -> Callable:
     """None -> compute_score; "path/to/file.py:function" -> that function, checked for verl's signature.
 
-    The scorer is called with keyword arguments (as verl does), so its parameters must carry these names.
-    """
+    The scorer is called with keyword arguments (as verl does), so its parameters must carry these names."""
     if spec is None:
         return compute_score
     path, sep, name = spec.rpartition(":")
@@ -219,8 +213,7 @@ def load_reward_fn(spec: str | None) -> Callable:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's file: say which one broke, keep the original traceback
         raise ImportError(f"reward function file {path!r} failed to import: {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
+    if not callable(fn := getattr(module, name, None)):
         present = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise ValueError(f"{path!r} has no function {name!r}; callables present: {', '.join(present) or 'none'}")
     try:
@@ -237,13 +230,10 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
     A dict result gives its "score"; its other numeric keys (bools count) go to `extras`,
     one list per key aligned with the batch (None where a sample lacked the key). A scorer
     that raises is logged and scores 0.0. A result that is neither a number nor a dict
-    with "score" is a bug in the scorer and raises TypeError.
-    """
+    with "score" is a bug in the scorer and raises TypeError."""
     n = len(solution_strs)
     extra_infos = extra_infos if extra_infos is not None else [None] * n
-    scores: list[float] = []
-    extra_rows: list[dict] = []  # per sample, the numeric extras of its dict result
-    num_errors = 0
+    scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, the numeric extras of its dict result
     for i in range(n):
         try:
             result = reward_fn(data_source=data_sources[i], solution_str=solution_strs[i],
