@@ -28,8 +28,7 @@ times optimal, and at most mean load + longest sequence. Each rank packs first-f
 ranks with fewer micro-batches split their fullest ones (or add empty ones) until counts agree.
 Work is token count: attention's quadratic term is small while sequences are short next to the width.
 `micro_batch` packs a micro-batch's rows (prompt + response ids) and records where each response token
-lands in the [rows, R] tensors (`scatter_rows` puts per-token results back there).
-"""
+lands in the [rows, R] tensors (`scatter_rows` puts per-token results back there)."""
 from __future__ import annotations
 
 import argparse
@@ -156,8 +155,7 @@ class PromptDataset:
     Items are dicts: `prompt_ids` (list[int]), `data_source`, `ground_truth` (str), `extra_info`
     (dict), `index` (the item's position in this dataset), `prompt`, `reward_model` and any other
     source columns. Overlong prompts are dropped (`filter_overlong`, counted in `num_filtered`) or
-    else handled by `truncation`: "error", "left" (keep the end), "right", "middle".
-    """
+    else handled by `truncation`: "error", "left" (keep the end), "right", "middle"."""
 
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str = "error",
                  filter_overlong: bool = True, prompt_key: str = "prompt", cache_dir: str | None = None,
@@ -203,8 +201,7 @@ class PromptDataset:
             return None
 
     def _open_or_build(self) -> pa.Table:
-        lock = self.cache_path + ".lock"
-        deadline = time.monotonic() + self.lock_timeout
+        lock, deadline = self.cache_path + ".lock", time.monotonic() + self.lock_timeout
         while True:
             if (table := self._try_open()) is not None:
                 return table
@@ -262,8 +259,7 @@ class PromptDataset:
         if self.tokenizer.chat_template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template")
         texts = self.tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        all_ids = []
+        backend, all_ids = getattr(self.tokenizer, "backend_tokenizer", None), []
         for chunk in (texts[i:i + 4096] for i in range(0, len(texts), 4096)):  # Encodings are large: keep ids only
             if backend is not None:  # the Rust tokenizer without transformers' wrapper: same ids, 2x faster
                 all_ids += [e.ids for e in backend.encode_batch_fast(chunk, add_special_tokens=False)]
@@ -339,8 +335,7 @@ class Sampler:
     """Batches of dataset indices: a seeded permutation per epoch, incomplete tails dropped.
 
     `epoch` and `position` describe the last batch drawn; the next draw that does not fit in
-    what is left of the epoch starts the next one. Batch sizes may vary between calls.
-    """
+    what is left of the epoch starts the next one. Batch sizes may vary between calls."""
 
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
         if not 1 <= batch_size <= num_items:
@@ -389,8 +384,7 @@ def _lpt_partition(seq_lens: list[int], k: int) -> list[list[int]]:
 def _first_fit_decreasing(items: list[int], seq_lens: list[int], budget: int) -> list[list[int]]:
     bins, room = [], []  # the sequences of each micro-batch, and its tokens left
     for i in sorted(items, key=lambda i: (-seq_lens[i], i)):
-        b = next((b for b, r in enumerate(room) if r >= seq_lens[i]), len(bins))
-        if b == len(bins):
+        if (b := next((b for b, r in enumerate(room) if r >= seq_lens[i]), len(bins))) == len(bins):
             bins.append([])
             room.append(budget)
         bins[b].append(i)
@@ -414,8 +408,7 @@ def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int, dp_
     for mbs in per_rank:
         while len(mbs) < target:
             # Split the heaviest micro-batch that can be split; this also shortens the slowest step.
-            splittable = [j for j in range(len(mbs)) if len(mbs[j]) > 1]
-            if not splittable:
+            if not (splittable := [j for j in range(len(mbs)) if len(mbs[j]) > 1]):
                 mbs.append([])
                 continue
             mb = mbs.pop(max(splittable, key=lambda j: sum(seq_lens[i] for i in mbs[j])))
@@ -426,8 +419,7 @@ def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int, dp_
 def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
     """Concatenate sequences without padding: the varlen-attention inputs model.py consumes.
 
-    position_ids restart at 0 for each sequence; cu_seqlens[b]:cu_seqlens[b+1] is sequence b.
-    """
+    position_ids restart at 0 for each sequence; cu_seqlens[b]:cu_seqlens[b+1] is sequence b."""
     if len(sequences) == 0:
         raise ValueError("packed_inputs needs at least one sequence")
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
@@ -480,8 +472,7 @@ def prepare_gsm8k(src: str, out: str) -> None:
     """GSM8K JSONL (question, answer) -> verl-schema train.parquet / test.parquet."""
     splits = {}  # both splits are read and checked before anything is written
     for split in ("train", "test"):
-        path = os.path.join(src, f"{split}.jsonl")
-        if not os.path.isfile(path):
+        if not os.path.isfile(path := os.path.join(src, f"{split}.jsonl")):
             raise FileNotFoundError(f"{path} does not exist (expected GSM8K's {split}.jsonl in {src})")
         rows = splits[split] = []
         with open(path) as f:
@@ -517,8 +508,7 @@ def synthetic_tokenizer():
 
     Built as a byte-level BPE without merges, i.e. exactly Qwen2's tokenizer pipeline: transformers 5
     loads any model_type "qwen2" directory with its Qwen2 tokenizer class, which rebuilds the
-    pre-tokenizer and decoder, so only a tokenizer of that shape survives the round trip unchanged.
-    """
+    pre-tokenizer and decoder, so only a tokenizer of that shape survives the round trip unchanged."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
