@@ -42,8 +42,7 @@ row, the cache size nor tp, and TP ranks agree without talking.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary:
 the distribution the trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled
-from (that mismatch is what rollout-correction weights measure). Greedy returns log_softmax at T=1.
-"""
+from (that mismatch is what rollout-correction weights measure). Greedy returns log_softmax at T=1."""
 from __future__ import annotations
 
 import argparse
@@ -182,8 +181,7 @@ def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, gro
     if group is None:
         idx = _search(p, sums, blk, _below(u * mass, mass))
         return idx + vocab_start, p.gather(1, idx[:, None])[:, 0].log()
-    rank = dist.get_rank(group)
-    lse = torch.logsumexp(z, -1)
+    rank, lse = dist.get_rank(group), torch.logsumexp(z, -1)
     g = all_gather_stack(torch.stack([lse, mass], -1), group)  # [tp, B, 2]
     lse_all = torch.logsumexp(g[..., 0], 0)
     share = (g[..., 0] - lse_all).exp()  # each slice's normaliser as a fraction of the whole
@@ -242,8 +240,7 @@ class Generator:
     minimum over the TP group), or on CPU max_rows * max_len. With max_len None the cache is sized at the
     first generate() to its longest prompt + max_new_tokens (regrown if a later call needs more).
     `vocab_size` keeps ids past the tokenizer's vocabulary from being drawn (their logits stay in the
-    softmax). `free()` drops the cache and the graphs; the model is untouched.
-    """
+    softmax). `free()` drops the cache and the graphs; the model is untouched."""
 
     def __init__(self, model: Transformer, max_rows: int = 256, max_len: int | None = None,
                  kv_cache_tokens: int | None = None, gpu_memory_fraction: float = 0.5,
@@ -295,8 +292,7 @@ class Generator:
             budget = int(free.item() * self.memory_fraction) // per_token
         elif budget is None:
             budget = self.max_rows * max_len
-        rows = min(self.max_rows, budget // max_len)
-        if rows < 1:
+        if (rows := min(self.max_rows, budget // max_len)) < 1:
             raise ValueError(f"KV cache budget of {budget} tokens ({budget * per_token / 2**30:.2f} GiB at "
                              f"{per_token} bytes/token) cannot hold one row of max_len={max_len}; raise "
                              "kv_cache_tokens / gpu_memory_fraction or shorten prompts / max_new_tokens")
@@ -356,8 +352,7 @@ class Generator:
         if not self.use_graphs:
             return self._decode_step(B, L)
         key = (B, L, self.mode)
-        graph = self.graphs.get(key)
-        if graph is not None:
+        if (graph := self.graphs.get(key)) is not None:
             return graph.replay()
         # this bucket's first step: run it for real, on a side stream as capture wants, then capture it
         side = _side_stream(self.device)
@@ -380,8 +375,7 @@ class Generator:
         slots = torch.repeat_interleave(torch.tensor([rows[0] for _, _, rows in chunk]), torch.tensor(lens)).to(dev)
         hidden = self.model(ids, pos, AttnContext(cu_seqlens=cu, max_seqlen=max(lens), cache=self.cache, slots=slots))
         logits = self.model.logits(hidden[cu[1:].long() - 1])  # [prompts, V/tp]
-        src = [rows[0] for _, _, rows in chunk for _ in rows[1:]]
-        if src:
+        if src := [rows[0] for _, _, rows in chunk for _ in rows[1:]]:
             dst = [r for _, _, rows in chunk for r in rows[1:]]
             self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev), max(lens))
         which = [i for i, (_, s, _) in enumerate(chunk) for _ in s]
@@ -462,8 +456,7 @@ class Generator:
                 admitted += k
             if chunk:
                 self._prefill(chunk, prompts, params.seed, max_new)
-            live = [r for r in range(R) if owner[r] is not None]
-            if not live:
+            if not (live := [r for r in range(R) if owner[r] is not None]):
                 break
             if admitted == total:
                 live = self._compact(live, owner)
@@ -507,8 +500,7 @@ class Generator:
         self.cache.copy_rows(s, d, max(owner[r][2] + owner[r][3] for r in src))
         for buf in (self.tok, self.lengths, self.keys, self.ngen, self.done, self.max_new, self.out_tok, self.out_lp):
             buf[d] = buf[s]
-        self.done[s] = True
-        self.lengths[s] = 1
+        self.done[s], self.lengths[s] = True, 1
         for a, b in zip(src, dst):
             owner[b], owner[a] = owner[a], None
         self.stats["compactions"] += 1
