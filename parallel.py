@@ -55,8 +55,7 @@ DP replicas see different micro-batches; their gradients are summed (the loss is
 the global token count). All parameters of a rank live, for the optimizer, in one flat fp32 buffer cut
 into dp equal shards: ZeRO-1 keeps the fp32 master weights and both Adam moments of one shard per DP rank
 (1/dp of the optimizer state), reduce-scatters the gradients so that each rank receives the summed
-gradient of its shard, updates it, and all-gathers the updated shards back into every replica's weights.
-"""
+gradient of its shard, updates it, and all-gathers the updated shards back into every replica's weights."""
 from __future__ import annotations
 
 import itertools
@@ -90,8 +89,7 @@ class Layout:
     tp_ranks: list = field(default_factory=lambda: [0])
     pp_ranks: list = field(default_factory=lambda: [0])
     dp_ranks: list = field(default_factory=lambda: [0])
-    # first and last pipeline stage of one replica: they share tied embeddings
-    embed_group: object = None
+    embed_group: object = None  # first and last pipeline stage of one replica: they share tied embeddings
 
     @property
     def world_size(self) -> int:
@@ -224,7 +222,6 @@ def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _param(shape: tuple, tp_dim, parts, dtype, device, init=torch.empty) -> nn.Parameter:
-    """A new parameter carrying its shard description (tp_dim, tp_parts; see the module docstring)."""
     p = nn.Parameter(init(shape, dtype=dtype, device=device))
     p.tp_dim, p.tp_parts = tp_dim, parts
     return p
@@ -375,18 +372,6 @@ def _detach(out: dict) -> dict:
     return {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
 
 
-def _forward_step(model, layout: Layout, mb: dict, x, loss_fn):
-    """One stage's forward of one micro-batch: hidden states to send on, or (loss, outputs) at the end."""
-    h = model.packed(mb["input_ids"] if layout.is_first_stage else x, mb["position_ids"], mb["cu_seqlens"],
-                     mb["max_seqlen"])
-    if not layout.is_last_stage:
-        return h, None
-    res = loss_fn(model, h, mb)
-    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
-        raise TypeError("loss_fn(model, hidden, mb) must return (loss: 0-dim tensor, outputs: dict of tensors)")
-    return res[0], _detach(res[1])
-
-
 def _backward_step(x, y, dy):
     torch.autograd.backward(y, grad_tensors=dy)
     return None if x is None else x.grad
@@ -422,8 +407,7 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
     needs); all ranks of a PP group pass the same list. `loss_fn(model, hidden, mb) -> (loss, outputs)`
     runs on the last stage; gradients accumulate as usual (into the optimizer's buffers). Returns the
     detached `outputs` of each micro-batch on the last stage and empty dicts elsewhere. Empty micro-batches
-    skip the model; the last stage still calls loss_fn on an empty hidden (without grad) for their outputs.
-    """
+    skip the model; the last stage still calls loss_fn on an empty hidden (without grad) for their outputs."""
     work = [i for i, mb in enumerate(micro_batches) if _tokens(mb) > 0]
     mbs = [micro_batches[i] for i in work]
     outputs: list[dict] = [{} for _ in micro_batches]
@@ -453,12 +437,19 @@ def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, r
     warmup = n if forward_only else min(layout.pp - layout.pp_rank - 1, n)
     inflight: list[tuple] = []  # (input, output) of micro-batches whose backward is pending, oldest first
 
-    def forward(k, x):
+    def forward(k, x):  # hidden states to send on, or the loss at the last stage
+        mb = mbs[k]
         with torch.set_grad_enabled(torch.is_grad_enabled() and not forward_only):
             if x is not None and not forward_only:
                 x.requires_grad_()
-            y, out = _forward_step(model, layout, mbs[k], x, loss_fn)
-        outputs[k] = out or {}
+            y = model.packed(mb["input_ids"] if layout.is_first_stage else x, mb["position_ids"], mb["cu_seqlens"],
+                             mb["max_seqlen"])
+            if layout.is_last_stage:
+                res = loss_fn(model, y, mb)
+                if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
+                    raise TypeError("loss_fn(model, hidden, mb) must return (loss: 0-dim tensor, "
+                                    "outputs: dict of tensors)")
+                y, outputs[k] = res[0], _detach(res[1])
         if not forward_only:
             inflight.append((x, y))
         return y
@@ -510,8 +501,7 @@ class ShardedAdamW:
     needs (weight decay or not, how the parameter counts in the grad norm, whether its gradient is a TP
     partial sum) covers a few contiguous runs instead of a per-element mask. Gradients accumulate into a
     full fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation
-    of bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases).
-    """
+    of bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
 
     def __init__(self, model: nn.Module, layout: Layout, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
@@ -533,8 +523,7 @@ class ShardedAdamW:
         named.sort(key=lambda item: self._kind(item[1])[::-1])
         self.params = [p for _, p in named]
         offsets = [0, *itertools.accumulate(p.numel() for _, p in named)]
-        # (name, offset, shape): where each parameter lives in the flat buffer
-        self.index = [(name, o, tuple(p.shape)) for (name, p), o in zip(named, offsets)]
+        self.index = [(name, o, tuple(p.shape)) for (name, p), o in zip(named, offsets)]  # (name, offset, shape)
         self.numel, dp = offsets[-1], layout.dp
         size = -(-self.numel // dp)
         self.shard = (layout.dp_rank * size, (layout.dp_rank + 1) * size)
