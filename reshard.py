@@ -36,8 +36,7 @@ rebuilt, bit for bit, from its slice of the generation weights. Extra bytes a ra
     tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
     tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
     tp_g >  tp:           <= gen + padding (the training shard stays whole: it is more than gen)
-Padding is where stages differ (the embedding of the first stage against the head of the last).
-"""
+Padding is where stages differ (the embedding of the first stage against the head of the last)."""
 from __future__ import annotations
 
 import argparse
@@ -208,10 +207,8 @@ class Resharder:
         self.buckets = [[[] for _ in range(nl + 1 + (lay.pp == 1))] for _ in stages]  # [stage][bucket]
         for p, entries in enumerate(stages):
             for e in entries:
-                if e.train.startswith("layers."):
-                    b = int(e.train.split(".")[1]) // per
-                else:
-                    b = nl + (lay.pp == 1 and not e.train.startswith("embed_tokens."))
+                b = (int(e.train.split(".")[1]) // per if e.train.startswith("layers.")
+                     else nl + (lay.pp == 1 and not e.train.startswith("embed_tokens.")))
                 e.offset = size(self.buckets[p][b])
                 self.buckets[p][b].append(e)
         self.chunks = [max(size(st[b]) for st in self.buckets) for b in range(len(self.buckets[0]))]
