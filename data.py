@@ -125,12 +125,6 @@ def _check_messages(prompt, where: str) -> list[dict]:
                     f"messages, got {type(prompt).__name__}: {str(prompt)[:100]}")
 
 
-def _fit(ids: list[int], max_len: int, truncation: str) -> list[int]:
-    """`head` tokens from the start, the rest from the end ("left" keeps the question and generation prompt)."""
-    head = {"left": 0, "right": max_len, "middle": max_len // 2}[truncation]
-    return ids[:head] + ids[len(ids) - (max_len - head):]
-
-
 def _clear_stale_lock(lock: str) -> None:
     """Remove a lock whose builder died on this host, so a crash does not block every later run."""
     try:
@@ -274,7 +268,9 @@ class PromptDataset:
                     raise ValueError(f"{f}: row {r}: prompt is {len(ids)} tokens, over max_prompt_length="
                                      f"{self.max_prompt_length} (set data.filter_overlong_prompts: true or a "
                                      "data.truncation mode)")
-                ids = _fit(ids, self.max_prompt_length, self.truncation)
+                n = self.max_prompt_length  # the first `head` tokens and the last n - head ("left" keeps the question)
+                head = {"left": 0, "right": n, "middle": n // 2}[self.truncation]
+                ids = ids[:head] + ids[len(ids) - (n - head):]
             truth = rm.get("ground_truth") if isinstance(rm, dict) else None
             if truth is None:
                 raise ValueError(f"{f}: row {r}: reward_model must be a struct with a ground_truth, got {rm!r}")
@@ -438,8 +434,7 @@ def micro_batch(prompts: list, responses: list, rows: list[int], device=None) ->
     plen = torch.tensor([len(prompts[i]) for i in rows], dtype=torch.long)
     rlen = torch.tensor([len(responses[i]) for i in rows], dtype=torch.long)
     row = torch.repeat_interleave(torch.arange(len(rows)), rlen)
-    first = torch.cumsum(rlen, 0) - rlen
-    col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(first, rlen)
+    col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(torch.cumsum(rlen, 0) - rlen, rlen)
     sel = mb["cu_seqlens"][:-1].long()[row] + plen[row] - 1 + col
     mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long),
               targets=mb["input_ids"][sel + 1] if len(sel) else torch.zeros(0, dtype=torch.long))
