@@ -120,7 +120,6 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
                                    index: torch.Tensor, epsilon: float = 1e-6,
                                    norm_adv_by_std_in_grpo: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon), std unbiased; Dr.GRPO (no std): A_i = s_i - mean_g.
-
     A singleton group has no baseline: mean 0 and std 1, so A_i = s_i / (1 + eps) (verl).
     Returns (A, A) broadcast over valid tokens."""
     mask = response_mask.to(token_level_rewards.dtype)
@@ -151,7 +150,6 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                                   gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: G_t = r_t + gamma G_{t+1} (reset at masked tokens); A = whiten(G) over the batch.
-
     Returns (A, G), G being the (unwhitened) discounted returns to go."""
     mask = response_mask.to(token_level_rewards.dtype)
     rewards = token_level_rewards * mask
@@ -168,7 +166,6 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
                                                            response_mask: torch.Tensor, index: torch.Tensor,
                                                            epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps inside the sqrt.
-
     A singleton group's mean is 0 (as in GRPO). Returns (A, A)."""
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _masked_sum(token_level_rewards, mask, dim=-1)
@@ -210,7 +207,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def loss_denominator(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
     """Local count of this micro-batch: valid tokens (token-mean) or rows with >= 1 valid token (seq-*).
-
     The trainer sums it over all micro-batches and DP ranks of a mini-batch into `global_denominator`."""
     if loss_agg_mode == "token-mean":
         return float(response_mask.to(torch.float64).sum())
@@ -312,7 +308,6 @@ def compute_value_loss(vpreds: torch.Tensor, values: torch.Tensor, returns: torc
                        horizon: int | None = None,
                        global_tokens: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped critic loss 0.5 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
-
     vf_clipfrac = sum(m [clipped branch larger]) / global_tokens, a contribution like the pg metrics."""
     metric_denom = _metric_tokens(loss_agg_mode, global_denominator, global_tokens)
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
@@ -415,7 +410,6 @@ def filter_groups(metric_values: torch.Tensor, index: torch.Tensor) -> torch.Ten
 def compute_overlong_penalty(response_length: torch.Tensor, max_response_length: int, overlong_buffer_len: int,
                              penalty_factor: float) -> torch.Tensor:
     """DAPO soft overlong punishment: min(0, -(len - (L_max - L_buf)) / L_buf * penalty_factor).
-
     0 up to L_max - L_buf, then linear down to -penalty_factor at L_max."""
     exceed = response_length.to(torch.float32) - (max_response_length - overlong_buffer_len)
     return torch.clamp(-exceed / overlong_buffer_len * penalty_factor, max=0.0)
