@@ -534,8 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    texts = args.prompt
+    tok, texts = AutoTokenizer.from_pretrained(args.model_dir), args.prompt
     if args.chat:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                  for t in texts]
