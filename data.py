@@ -60,7 +60,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(model_dir: str):
     """The Hugging Face tokenizer stored in a local model directory."""
     from transformers import AutoTokenizer
-
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
     if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
