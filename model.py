@@ -451,8 +451,7 @@ class Transformer(nn.Module):
         for p in self.value_head.parameters() if self.value_head is not None else ():
             p.tp_dim, p.tp_parts = None, None
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
-        self.gradient_checkpointing = False
-        self.attn_backend = attention_backend(torch.device(device or "cpu"))
+        self.gradient_checkpointing, self.attn_backend = False, attention_backend(torch.device(device or "cpu"))
 
     # --- forward passes
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
