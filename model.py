@@ -483,10 +483,10 @@ class Transformer(nn.Module):
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             pre = f"model.layers.{self.layer_start + int(i)}."
-            for fused, pieces in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                  ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
-                if rest.startswith(fused):
-                    mod, kind = fused.rsplit(".", 1)[0], rest.rsplit(".", 1)[1]
+            for joined, pieces in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                   ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+                if rest.startswith(joined):
+                    mod, kind = joined.rsplit(".", 1)[0], rest.rsplit(".", 1)[1]
                     return [f"{pre}{mod}.{p}.{kind}" for p in pieces]
             return [pre + rest]
         if name.startswith("lm_head."):
