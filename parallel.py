@@ -34,7 +34,8 @@ Log-probs over a split vocabulary
 With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only three
 all-reduces of one number per token: the max (for stability), the sum of exp(z - max), and z_t itself
 (the rank that owns token t contributes it, the others zero). The entropy H = logsumexp(z) - sum_j p_j z_j
-adds one more. The backward is local too: d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]).
+rides along with the sum (one more number in the same all-reduce). The backward is local too:
+d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]), recomputed from the logits rather than stored.
 
 Pipeline parallelism: the 1F1B schedule
 ---------------------------------------
