@@ -425,7 +425,8 @@ def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
 
 def micro_batch(prompts: list, responses: list, rows: list[int], device=None) -> dict:
     """Pack rows (prompt + response token ids) into one micro-batch; `sel` are the packed positions whose
-    next token is a response token, (`row`, `col`) where each lands in the [len(rows), R] tensors."""
+    next token is a response token, (`row`, `col`) where each lands in the [len(rows), R] tensors. `row_ids`
+    stays a host list, so indexing the batch's CPU tensors by it never waits for the device."""
     seqs = [prompts[i] + responses[i] for i in rows]
     mb = packed_inputs(seqs) if seqs else {"input_ids": torch.zeros(0, dtype=torch.long),
                                            "position_ids": torch.zeros(0, dtype=torch.long),
@@ -435,7 +436,7 @@ def micro_batch(prompts: list, responses: list, rows: list[int], device=None) ->
     row = torch.repeat_interleave(torch.arange(len(rows)), rlen)
     col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(torch.cumsum(rlen, 0) - rlen, rlen)
     sel = mb["cu_seqlens"][:-1].long()[row] + plen[row] - 1 + col
-    mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long),
+    mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long), row_ids=list(rows),
               targets=mb["input_ids"][sel + 1] if len(sel) else torch.zeros(0, dtype=torch.long))
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
 

@@ -417,7 +417,7 @@ def actor_loss_fn(cfg: Config, layout, batch: Batch):
     a, R, T = cfg.actor, batch.response_mask.shape[1], batch.tensors
 
     def fn(m, hidden, mb, denom):
-        rows, dev = mb["rows"].cpu(), hidden.device
+        rows, dev = mb["row_ids"], hidden.device
         logp_t, ent_t = vocab_parallel_logprobs(m.logits(hidden[mb["sel"]]), mb["targets"], layout.tp_group,
                                                 cfg.rollout.temperature, with_entropy=True)
         logp, ent = scatter_rows(mb, logp_t, R), scatter_rows(mb, ent_t, R)
@@ -446,7 +446,7 @@ def critic_loss_fn(cfg: Config, batch: Batch):
     c, R, T = cfg.critic, batch.response_mask.shape[1], batch.tensors
 
     def fn(m, hidden, mb, denom):
-        rows, dev = mb["rows"].cpu(), hidden.device
+        rows, dev = mb["row_ids"], hidden.device
         vpred = scatter_rows(mb, m.values(hidden[mb["sel"]]), R)
         mask = batch.response_mask[rows].to(dev)
         loss, clipfrac = alg.compute_value_loss(vpred, T["values"][rows].to(dev), T["returns"][rows].to(dev), mask,
