@@ -54,12 +54,16 @@ Data parallelism and ZeRO-1
 ---------------------------
 DP replicas see different micro-batches; their gradients are summed (the loss is already normalised by
 the global token count). All parameters of a rank live, for the optimizer, in one flat fp32 buffer cut
-into dp equal shards: ZeRO-1 keeps the fp32 master weights and both Adam moments of one shard per DP rank
-(1/dp of the optimizer state), reduce-scatters the gradients so that each rank receives the summed
-gradient of its shard, updates it, and all-gathers the updated shards back into every replica's weights."""
+into buckets of whole parameters (~40M elements). ZeRO-1 keeps the fp32 master weights and both Adam
+moments of 1/dp of it per DP rank, interleaved: rank r owns the r-th 1/dp of every bucket (each padded to
+a multiple of dp). A contiguous 1/dp of the whole buffer would put a bucket on one or two ranks; this way
+one reduce-scatter per bucket hands every rank the summed gradient of its part, so a bucket can be reduced
+as soon as the backward (last layer first) has filled it, while the backward goes on. The ranks start
+these in one fixed order, so that all issue the same collectives in the same sequence; buckets holding TP
+partial sums or a tied embedding copy wait for their TP / embedding all-reduce after the backward. Each
+rank updates its parts and all-gathers them back into the weights."""
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -495,17 +499,34 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _cut_buckets(numels: list[int], bucket_size: int, dp: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Flat offsets of consecutive parameters, the bucket of each, and the buckets [start, end): whole
+    parameters, a bucket closed before it would pass bucket_size elements (a larger parameter is a bucket of
+    its own), each padded to a multiple of dp so that it splits into dp equal parts."""
+    offsets, which, buckets, start, end = [], [], [], 0, 0
+    for i, n in enumerate(numels):
+        offsets.append(end)
+        which.append(len(buckets))
+        end += n
+        if i + 1 == len(numels) or end - start + numels[i + 1] > bucket_size:
+            end = start + -(-(end - start) // dp) * dp
+            buckets.append((start, end))
+            start = end
+    return offsets, which, buckets
+
+
 class ShardedAdamW:
     """AdamW with fp32 master weights and moments sharded over the DP group (ZeRO-1).
 
     The flat buffer orders this rank's parameters by kind (see _kind), so that each property the optimizer
     needs (weight decay or not, how the parameter counts in the grad norm, whether its gradient is a TP
-    partial sum) covers a few contiguous runs instead of a per-element mask. Gradients accumulate into a
-    full fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation
-    of bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
+    partial sum) covers a few contiguous runs instead of a per-element mask. It is cut into buckets, and this
+    rank owns the dp_rank-th part of each (`owned`, see the module docstring). Gradients accumulate into the
+    full fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation of
+    bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
 
     def __init__(self, model: nn.Module, layout: Layout, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01):
+                 eps: float = 1e-8, weight_decay: float = 0.01, bucket_size: int = 40_000_000):
         self.layout, self.lr, self.betas, self.eps, self.weight_decay = layout, lr, tuple(betas), eps, weight_decay
         self.step_count = 0
         named = list(model.named_parameters())
@@ -523,26 +544,38 @@ class ShardedAdamW:
         # flat order: the tied copy, replicated, sharded, then TP-partial last (one contiguous all-reduce)
         named.sort(key=lambda item: self._kind(item[1])[::-1])
         self.params = [p for _, p in named]
-        offsets = [0, *itertools.accumulate(p.numel() for _, p in named)]
+        offsets, which, self.buckets = _cut_buckets([p.numel() for p in self.params], bucket_size, layout.dp)
         self.index = [(name, o, tuple(p.shape)) for (name, p), o in zip(named, offsets)]  # (name, offset, shape)
-        self.numel, dp = offsets[-1], layout.dp
-        size = -(-self.numel // dp)
-        self.shard = (layout.dp_rank * size, (layout.dp_rank + 1) * size)
-        self.grad_buffer = torch.zeros(size * dp, dtype=torch.float32, device=dev)
+        self.numel, dp, r = sum(p.numel() for p in self.params), layout.dp, layout.dp_rank
+        self.owned = [(a + r * (b - a) // dp, a + (r + 1) * (b - a) // dp) for a, b in self.buckets]
+        self.chunks = [b - a for a, b in self.owned]
+        self.grad_buffer = torch.zeros(self.buckets[-1][1], dtype=torch.float32, device=dev)
         self.views = [self.grad_buffer[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
-        with torch.no_grad():  # stage the parameters in the (still empty) grad buffer to cut the master shard
+        self.owned_grads = [self.grad_buffer[a:b] for a, b in self.owned]
+        with torch.no_grad():  # stage the parameters in the (still empty) grad buffer to cut the master parts
             torch._foreach_copy_(self.views, self.params)
-            self.master = self.grad_buffer[self.shard[0]:self.shard[1]].clone()
+            self.master = torch.cat(self.owned_grads)
             self.grad_buffer.zero_()
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.segments = self._segments()
+        self.norm_parts = [self.grad_buffer[a:b] for a, b, _, _, w in self.segments if w]
+        self.norm_weights = torch.tensor([w for *_, w in self.segments if w], dtype=torch.float32, device=dev)
         self.tied_grad = next((v for p, v in zip(self.params, self.views) if p is self.tied), None)
         start = next((o for (_, o, _), p in zip(self.index, self.params) if self._kind(p)[2]), None)
-        self.partial = (start, self.numel) if start is not None and layout.tp_group is not None else None
+        self.partial = (start, len(self.grad_buffer)) if start is not None and layout.tp_group is not None else None
+        # buckets with the tied copy or TP partial sums need that all-reduce, after the backward, before the DP one;
+        # the others go in the order the backward fills them
+        late = {i for p, i in zip(self.params, which) if p is self.tied or self.partial and self._kind(p)[2]}
+        self.deferred, self.order = sorted(late), [i for i in reversed(range(len(self.buckets))) if i not in late]
+        self.nccl = layout.dp_group is not None and dist.get_backend(layout.dp_group) == "nccl"
+        self.counts = [0] * len(self.buckets)  # the gradients a bucket receives per backward pass
+        for p, i in zip(self.params, which):
+            self.counts[i] += p.requires_grad
+        self._reset()
         for h in getattr(model, "_sharded_adamw_hooks", []):  # a new optimizer of this model replaces the old
             h.remove()
-        model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(self._hook(v))
-                                      for p, v in zip(self.params, self.views) if p.requires_grad]
+        model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(self._hook(v, i))
+                                      for p, v, i in zip(self.params, self.views, which) if p.requires_grad]
 
     def _kind(self, p) -> tuple[bool, float, bool]:
         """(weight decay?, weight in the grad norm, TP-partial grad?). The norm weight is 1 for TP-sharded
@@ -551,9 +584,9 @@ class ShardedAdamW:
             1.0 if p.tp_dim is not None else 1.0 / self.layout.tp)
         return p.dim() >= 2, weight, bool(getattr(p, "tp_partial_grad", False))
 
-    def _segments(self) -> list[tuple[int, int, bool, float]]:
-        """Runs (start, end, decay, norm weight) of equal kind, clipped to this rank's shard and made local."""
-        lo, hi = self.shard
+    def _segments(self) -> list[tuple[int, int, int, bool, float]]:
+        """Runs (start, end, local start, decay, norm weight) of equal kind, cut to this rank's owned ranges:
+        start and end address the grad buffer, the local start the master weights and moments."""
         runs = []
         for (_, off, _), p in zip(self.index, self.params):
             decay, weight, _ = self._kind(p)
@@ -561,84 +594,124 @@ class ShardedAdamW:
                 runs[-1] = (runs[-1][0], off + p.numel(), decay, weight)
             else:
                 runs.append((off, off + p.numel(), decay, weight))
-        return [(max(a, lo) - lo, min(b, hi) - lo, d, w) for a, b, d, w in runs if a < hi and b > lo]
+        segments, local = [], 0
+        for lo, hi in self.owned:
+            segments += [(max(a, lo), min(b, hi), local + max(a, lo) - lo, d, w) for a, b, d, w in runs
+                         if a < hi and b > lo]
+            local += hi - lo
+        return segments
 
-    @staticmethod
-    def _hook(view):
+    def _hook(self, view, bucket: int):
         def accumulate(p):
             view.add_(p.grad)
             p.grad = None
+            if self.need is not None:
+                self.arrived[bucket] += 1
+                if self.arrived[bucket] > self.need[bucket]:  # its reduction may have started: the sum would be wrong
+                    raise RuntimeError("a gradient arrived after its bucket was complete: more backward passes "
+                                       "than expect_backwards() announced")
+                self._launch_ready()
         return accumulate
+
+    def _reset(self) -> None:
+        self.need, self.arrived, self.launched, self.works = None, [0] * len(self.buckets), 0, []
 
     def zero_grad(self) -> None:
         self.grad_buffer.zero_()
+        self._reset()
+
+    def expect_backwards(self, m: int) -> None:
+        """Announce m backward passes (this rank's non-empty micro-batches, on every pipeline stage) after
+        zero_grad: a bucket then starts its DP reduction as soon as its last gradient is in, overlapped with
+        the rest of the backward. Without it, reduce_gradients does it all."""
+        self.need = [m * k for k in self.counts]
+
+    def _launch_ready(self) -> None:
+        # strictly in self.order, whichever completes first: every DP rank issues the same collective sequence
+        while self.launched < len(self.order):
+            i = self.order[self.launched]
+            if self.arrived[i] < self.need[i]:
+                return
+            self._reduce_bucket(i)
+            self.launched += 1
+
+    def _reduce_bucket(self, i: int) -> None:
+        """Start the DP sum of bucket i: NCCL reduce-scatters it in place (rank r's output is its own part of
+        the bucket), gloo, lacking reduce_scatter in older torch, all-reduces it."""
+        bucket, group = self.grad_buffer[self.buckets[i][0]:self.buckets[i][1]], self.layout.dp_group
+        if group is not None:
+            self.works.append(_reduce_scatter_flat(self.owned_grads[i], bucket, group=group, async_op=True)
+                              if self.nccl else dist.all_reduce(bucket, group=group, async_op=True))
 
     def grad_shard(self) -> torch.Tensor:
-        """This rank's shard of the flat fp32 gradient (complete after reduce_gradients)."""
-        return self.grad_buffer[self.shard[0]:self.shard[1]]
+        """A copy of this rank's part of the flat fp32 gradient: its slice of every bucket, in a row (the
+        layout of the master weights; complete after reduce_gradients)."""
+        return torch.cat(self.owned_grads)
 
     def reduce_gradients(self) -> None:
-        """Complete the accumulated gradients: TP partial sums, tied embedding copies, then the DP sum
-        into this rank's shard (reduce-scatter; gloo, lacking it in older torch, all-reduces)."""
+        """Complete the accumulated gradients: the DP sum of every bucket not started during the backward,
+        the TP partial sums and tied embedding copies, then the DP sum of the buckets holding those."""
         lay, buf = self.layout, self.grad_buffer
+        for i in self.order[self.launched:]:
+            self._reduce_bucket(i)
         if self.partial is not None:
             all_reduce(buf[self.partial[0]:self.partial[1]], lay.tp_group)
         if self.tied is not None:
             all_reduce(self.tied_grad, lay.embed_group)
-        if lay.dp_group is not None:
-            if dist.get_backend(lay.dp_group) == "nccl":  # in place: rank r's output is its own slice of the input
-                _reduce_scatter_flat(self.grad_shard(), buf, group=lay.dp_group)
-            else:
-                all_reduce(buf, lay.dp_group)
+        for i in self.deferred:
+            self._reduce_bucket(i)
+        for work in self.works:
+            work.wait()
+        self._reset()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale the gradient shard so that the global L2 norm is at most max_norm; returns the norm before
+        """Scale the gradient parts so that the global L2 norm is at most max_norm; returns the norm before
         clipping (a non-finite norm is returned as it is and nothing is scaled; the caller should skip the
         step). max_norm <= 0 only measures.
 
-        Every element counts once over the whole grid: DP shards are disjoint, PP stages hold different
+        Every element counts once over the whole grid: DP parts are disjoint, PP stages hold different
         layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count 1/tp on each of the
         tp ranks holding them; so one all-reduce over the world sums it all."""
-        g = self.grad_shard()
-        sq = torch.zeros((), dtype=torch.float32, device=g.device)
-        for a, b, _, w in self.segments:
-            if w:
-                sq += w * torch.linalg.vector_norm(g[a:b]).square()
+        sq = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.device)
+        if self.norm_parts:
+            sq = torch.stack(torch._foreach_norm(self.norm_parts)).square() @ self.norm_weights
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
         norm = sq.sqrt().item()
         if max_norm > 0 and math.isfinite(norm) and (coef := max_norm / (norm + 1e-6)) < 1.0:
-            g.mul_(coef)
+            torch._foreach_mul_(self.owned_grads, coef)
         return norm
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> None:
-        """One AdamW step on this rank's shard, then publish the updated weights to every replica."""
+        """One AdamW step on this rank's parts, then publish the updated weights to every replica."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
-        t, (b1, b2), g = self.step_count, self.betas, self.grad_shard()
-        if self.weight_decay:
-            for a, b, decay, _ in self.segments:
-                if decay:
-                    self.master[a:b].mul_(1.0 - lr * self.weight_decay)
-        self.exp_avg.lerp_(g, 1.0 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / (1.0 - b1 ** t))
+        t, (b1, b2), g = self.step_count, self.betas, self.owned_grads
+        m, avg, avg_sq = (list(x.split(self.chunks)) for x in (self.master, self.exp_avg, self.exp_avg_sq))
+        if decay := [self.master[c:c + b - a] for a, b, c, d, _ in self.segments if d and self.weight_decay]:
+            torch._foreach_mul_(decay, 1.0 - lr * self.weight_decay)
+        torch._foreach_lerp_(avg, g, 1.0 - b1)
+        torch._foreach_mul_(avg_sq, b2)
+        torch._foreach_addcmul_(avg_sq, g, g, value=1.0 - b2)
+        denom = torch._foreach_sqrt(avg_sq)
+        torch._foreach_div_(denom, math.sqrt(1.0 - b2 ** t))
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(m, avg, denom, value=-lr / (1.0 - b1 ** t))
         self._publish()
 
     def _publish(self) -> None:
-        """All-gather the master shards into the compute parameters (cast to their dtype). The fp32 grad
-        buffer is spent by now: its memory stages the gathered weights, and it is zeroed after."""
-        dtype, lay = self.params[0].dtype, self.layout
+        """All-gather the master parts into the compute parameters (cast to their dtype), bucket by bucket. The
+        fp32 grad buffer is spent by now: its memory stages the gathered weights, and it is zeroed after."""
+        dtype, group = self.params[0].dtype, self.layout.dp_group
         full = self.grad_buffer.view(torch.uint8)[:self.grad_buffer.numel() * dtype.itemsize].view(dtype)
-        mine = self.master.to(dtype)
-        if lay.dp_group is None:
-            full.copy_(mine)
-        elif dist.get_backend(lay.dp_group) == "nccl":
-            _all_gather_flat(full, mine, group=lay.dp_group)
-        else:
-            dist.all_gather(list(full.chunk(lay.dp)), mine, group=lay.dp_group)
+        for (a, b), mine in zip(self.buckets, self.master.to(dtype).split(self.chunks)):
+            if group is None:
+                full[a:b].copy_(mine)
+            elif self.nccl:
+                _all_gather_flat(full[a:b], mine, group=group)
+            else:
+                dist.all_gather(list(full[a:b].chunk(self.layout.dp)), mine, group=group)
         views = [full[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
         torch._foreach_copy_(self.params, views)
         self.grad_buffer.zero_()
@@ -647,16 +720,17 @@ class ShardedAdamW:
         return self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
 
     def state_dict(self) -> dict:
-        """This rank's shard: master weights, moments, step count, and the flat index they refer to."""
+        """This rank's parts: master weights, moments, step count, the owned ranges and the flat index."""
         return {"step": self.step_count, "master": self.master, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq, "shard": self.shard, "index": self.index}
+                "exp_avg_sq": self.exp_avg_sq, "owned": self.owned, "index": self.index}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a shard saved by the same layout; the master weights, the truth, are published."""
-        if state["index"] != self.index or tuple(state["shard"]) != self.shard:
-            raise ValueError(f"optimizer state does not fit: saved for shard {tuple(state['shard'])} of "
-                             f"{len(state['index'])} parameters, this rank has shard {self.shard} of "
-                             f"{len(self.index)}; resume with the same model and (tp, pp, dp) layout")
+        """Restore parts saved by the same layout; the master weights, the truth, are published."""
+        owned = [tuple(r) for r in state.get("owned", [])]
+        if state["index"] != self.index or owned != self.owned:
+            raise ValueError(f"optimizer state does not fit: saved for owned ranges {owned[:2]}.. ({len(owned)}) of "
+                             f"{len(state['index'])} parameters, this rank owns {self.owned[:2]}.. ({len(self.owned)}) "
+                             f"of {len(self.index)}; resume with the same model and (tp, pp, dp) layout")
         self.step_count = int(state["step"])
         for name in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self, name).copy_(state[name])

@@ -607,6 +607,7 @@ class Trainer:
                 mbs = dp_micro_batches(batch.prompts, batch.responses, rows, cfg.actor.max_tokens_per_micro_batch,
                                        lay.dp, lay.dp_rank, self.device)
                 role.optim.zero_grad()
+                role.optim.expect_backwards(sum(mb["input_ids"].numel() > 0 for mb in mbs))  # empty ones skip the model
                 outs = pipeline_forward_backward(role.model, lay, mbs, lambda m, h, mb: loss_fn(m, h, mb, denom))
                 role.optim.reduce_gradients()
                 gnorm = role.optim.clip_grad_norm(o.grad_clip)

@@ -122,6 +122,7 @@ def main() -> None:
             dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
+        opt.expect_backwards(len(mbs))
         pipeline_forward_backward(model, lay, mbs, loss_fn)
         torch.cuda.synchronize()
         t1 = time.perf_counter()

@@ -21,6 +21,7 @@ HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 MAX_NORM = 0.05
 TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1)]           # tp=2, pp=2, dp=2
 TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2)]          # tp2 x dp2, tp2 x pp2, pp2 x dp2
+BUCKET = 6000  # elements: ~30 buckets of "qwen3_odd", whose odd hidden size (63) makes some need padding
 
 
 def rel_err(a, b):
@@ -72,6 +73,18 @@ def local_slice(full, tp_dim, parts, tp, r):
     return torch.cat([piece.chunk(tp, dim=tp_dim)[r] for piece in full.split(parts, dim=tp_dim)], dim=tp_dim)
 
 
+def assemble(parts):
+    """The flat gradient from the DP ranks' (owned ranges, grad_shard): each rank's part scattered back
+    into place. The owned ranges must cover the buffer exactly once."""
+    n = max(b for owned, _ in parts for _, b in owned)
+    flat, hits = torch.zeros(n), torch.zeros(n, dtype=torch.long)
+    for owned, g in parts:
+        idx = torch.cat([torch.arange(a, b) for a, b in owned])
+        flat[idx], hits[idx] = g, hits[idx] + 1
+    assert bool((hits == 1).all())
+    return flat
+
+
 def flat_to_params(flat, index):
     return {name: flat[off:off + math.prod(shape)].view(shape) for name, off, shape in index}
 
@@ -79,14 +92,20 @@ def flat_to_params(flat, index):
 # ----------------------------------------------------------------------------- distributed bodies
 
 
-def _train_case(path, tp, pp, steps):
+def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False):
+    """Train len(steps) steps; with `overlap` the optimizer is told the number of backward passes. "launched"
+    records, per step, how many buckets had started their DP reduction when the last micro-batch's forward
+    reached the loss (the last stage runs its backward right after; None on other stages) and when the
+    backward had finished."""
     lay = make_layout(tp, pp)
     model = load_model(path, lay)
-    opt = ShardedAdamW(model, lay, **HP)
+    opt = ShardedAdamW(model, lay, **HP, bucket_size=bucket_size)
     loss_fn = token_mean_loss(lay)
     mine = [batch[lay.dp_rank::lay.dp] for batch in steps]  # this DP rank's micro-batches
     res = {"coords": (lay.dp_rank, lay.pp_rank, lay.tp_rank), "dp": lay.dp, "start": model.layer_start,
-           "report": lay.is_last_stage and lay.tp_rank == 0, "index": opt.index, "shard": opt.shard,
+           "report": lay.is_last_stage and lay.tp_rank == 0, "index": opt.index, "owned": opt.owned,
+           "buckets": opt.buckets, "order": opt.order, "deferred": opt.deferred, "launched": [],
+           "overlap": overlap,
            "state_elements": opt.num_state_elements(), "numel": opt.numel, "losses": [], "norms": [],
            "shard_name": shard_name(lay, with_dp=True),
            "meta": {n: (p.tp_dim, p.tp_parts) for n, p in model.named_parameters()}}
@@ -96,8 +115,18 @@ def _train_case(path, tp, pp, steps):
     res["bcast"] = broadcast_from_last_stage([o.get("loss") for o in outs], lay)
     for s, mbs in enumerate(mine):
         opt.zero_grad()
-        outs = pipeline_forward_backward(model, lay, mbs, loss_fn)
+        at_forward = []
+
+        def recording_loss_fn(model, hidden, mb):
+            if len(hidden):  # the schedule's forwards; empty micro-batches come after it, without grad
+                at_forward.append(opt.launched)
+            return loss_fn(model, hidden, mb)
+
+        if overlap:
+            opt.expect_backwards(sum(len(mb["input_ids"]) > 0 for mb in mbs))
+        outs = pipeline_forward_backward(model, lay, mbs, recording_loss_fn)
         res["losses"].append(sum(float(o["loss"]) for o in outs) if lay.is_last_stage else None)
+        res["launched"].append((at_forward[-1] if at_forward else None, opt.launched))
         opt.reduce_gradients()
         if s == 0:
             res["grad_shard"] = opt.grad_shard().clone()
@@ -122,7 +151,7 @@ def _split_case(path, batch):
     opt = ShardedAdamW(model, lay, **HP)
     pipeline_forward_backward(model, lay, batch[lay.dp_rank::lay.dp], token_mean_loss(lay))
     opt.reduce_gradients()
-    return {"dp_rank": lay.dp_rank, "grad_shard": opt.grad_shard().clone(), "index": opt.index}
+    return {"dp_rank": lay.dp_rank, "grad_shard": opt.grad_shard().clone(), "index": opt.index, "owned": opt.owned}
 
 
 def _vocab_case(logits, targets, w_logp, w_ent, temperature):
@@ -208,10 +237,16 @@ def check_train_case(results, ref, tp, pp, tied):
         assert [float(x) for x in r["bcast"]] == [float(x) for x in by_coord[(d, pp - 1, t)]["bcast"]]
     for r in results:
         d, p, t = r["coords"]
-        # ZeRO-1: 1/dp of the master weights and moments per rank
-        assert r["state_elements"] == 3 * -(-r["numel"] // dp)
+        # ZeRO-1: 1/dp of the master weights and moments per rank (up to the padding of each bucket)
+        assert r["state_elements"] == 3 * sum(-(-(b - a) // dp) for a, b in r["buckets"])
+        assert r["state_elements"] < 3 * (r["numel"] / dp + len(r["buckets"]))
         assert r["master_roundtrip"] and r["republished"] and r["shard_name"] == f"dp{d}_pp{p}_tp{t}"
-        flat = torch.cat([by_coord[(k, p, t)]["grad_shard"] for k in range(dp)])
+        # told the number of backward passes, every bucket that needs no TP / embedding all-reduce first starts
+        # its DP reduction during the last micro-batch's backward, none before; not told, none before
+        # reduce_gradients
+        for before, after in r["launched"]:
+            assert (before in (0, None) and after == len(r["order"])) if r["overlap"] else after == 0
+        flat = assemble([(by_coord[(k, p, t)]["owned"], by_coord[(k, p, t)]["grad_shard"]) for k in range(dp)])
         grads = flat_to_params(flat, r["index"])
         assert set(grads) == set(r["params"])
         for name, (tp_dim, parts) in r["meta"].items():
@@ -232,7 +267,7 @@ def check_split(path, batch, results):
     """dp ranks x (4/dp) micro-batches give the gradients of 1 x 4 micro-batches in one process."""
     one = _split_case(path, batch)
     n = sum(math.prod(shape) for _, _, shape in one["index"])
-    flat = torch.cat([r["grad_shard"] for r in sorted(results, key=lambda r: r["dp_rank"])])
+    flat = assemble([(r["owned"], r["grad_shard"]) for r in results])
     assert all(r["index"] == one["index"] for r in results)
     assert one["grad_shard"][:n].abs().max() > 0
     assert rel_err(flat[:n], one["grad_shard"][:n]) <= 1e-6
@@ -244,7 +279,10 @@ def check_split(path, batch, results):
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     fams = {f for f, _, _ in TP_CASES_2 + TP_CASES_4}
-    return {f: helpers.make_checkpoint(str(tmp_path_factory.mktemp(f)), f, with_tokenizer=False) for f in fams}
+    out = {f: helpers.make_checkpoint(str(tmp_path_factory.mktemp(f)), f, with_tokenizer=False) for f in fams}
+    out["qwen3_odd"] = helpers.make_checkpoint(str(tmp_path_factory.mktemp("qwen3_odd")), "qwen3",
+                                               with_tokenizer=False, hidden_size=63)
+    return out
 
 
 def vocab_inputs(seed=0):
@@ -295,15 +333,35 @@ def test_two_processes(ckpts):
 
 
 def test_four_processes_and_batch_split(ckpts):
-    """tp2 x dp2, tp2 x pp2 (tied), pp2 x dp2 vs one process; the same batch as 1x4, 2x2, 4x1
-    (dp x micro-batches) gives the same gradients."""
+    """tp2 x dp2, tp2 x pp2 (tied), pp2 x dp2 vs one process, in small buckets reduced during the backward;
+    the same batch as 1x4, 2x2, 4x1 (dp x micro-batches) gives the same gradients."""
     steps = make_steps(3)
     split = make_steps(2, n_steps=1, n_mb=4)[0]
-    cases = [("train", ckpts[f], tp, pp, steps) for f, tp, pp in TP_CASES_4] + [("split", ckpts["qwen2"], split)]
+    cases = [("train", ckpts[f], tp, pp, steps, BUCKET, True) for f, tp, pp in TP_CASES_4]
+    cases += [("split", ckpts["qwen2"], split)]
     res = helpers.run_distributed(_worker, 4, cases)
     for i, (f, tp, pp) in enumerate(TP_CASES_4):
         check_train_case([r[i] for r in res], reference(ckpts[f], steps), tp, pp, f == "qwen2_tied")
     check_split(ckpts["qwen2"], split, [r[-1] for r in res])
+
+
+@pytest.mark.parametrize("tp, world", [(1, 2), (2, 4)])
+def test_buckets_reduced_during_backward(ckpts, tp, world):
+    """dp=2 and tp2 x dp2 (the qk-norm grads are TP partial sums: their buckets wait for the TP all-reduce)
+    with small padded buckets vs one process, told the number of backward passes and not told (then every
+    bucket starts in reduce_gradients): both match the reference and each other to the bit."""
+    steps = make_steps(4)
+    cases = [("train", ckpts["qwen3_odd"], tp, 1, steps, BUCKET, overlap) for overlap in (True, False)]
+    res = helpers.run_distributed(_worker, world, cases)
+    ref = reference(ckpts["qwen3_odd"], steps)
+    for i in range(2):
+        check_train_case([r[i] for r in res], ref, tp, 1, False)
+    for told, plain in res:
+        assert len(told["buckets"]) >= 10 and sum(b - a for a, b in told["buckets"]) > told["numel"]  # padded
+        assert bool(told["deferred"]) == (tp > 1)
+        assert len(told["order"]) >= 10 and all(before == 0 for before, _ in told["launched"])
+        assert told["norms"] == plain["norms"] and torch.equal(told["grad_shard"], plain["grad_shard"])
+        assert all(torch.equal(p, plain["params"][n]) for n, p in told["params"].items())
 
 
 def test_optimizer_single_process(ckpts):
@@ -316,8 +374,18 @@ def test_optimizer_single_process(ckpts):
     # a second optimizer of the same model takes over the gradient hooks (resume into another layout)
     opt = ShardedAdamW(model, make_layout(1, 1), **HP)
     ids = torch.randint(0, V, (7,))
-    model.logits(model.packed(ids, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)).sum().backward()
+
+    def backward():
+        model.logits(model.packed(ids, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)).sum().backward()
+
+    backward()
     assert opt.grad_shard().abs().max() > 0 and all(p.grad is None for p in model.parameters())
+    # a backward pass more than announced would add to a bucket whose reduction may have started
+    opt.zero_grad()
+    opt.expect_backwards(1)
+    backward()
+    with pytest.raises(RuntimeError, match="more backward passes than expect_backwards"):
+        backward()
     bad = {**opt.state_dict(), "index": opt.index[1:]}
     with pytest.raises(ValueError, match="same model and \\(tp, pp, dp\\) layout"):
         opt.load_state_dict(bad)
@@ -365,9 +433,9 @@ def test_fused_kernels_match_eager_cpu():
     on_cpu = _vocab_case(big, t, w, we, 0.9)
     for k in ("logp", "ent", "grad", "grad_logp_only"):
         assert rel_err(on_gpu[k].float().cpu(), on_cpu[k].float()) <= 1e-2, k
-    x, wt = torch.randn(64, 8, 32).bfloat16(), torch.randn(32).bfloat16()
+    x, wt, wk = torch.randn(64, 8, 32).bfloat16(), torch.randn(32).bfloat16(), torch.randn(32).bfloat16()
     cos, sin = torch.rand(64, 16), torch.rand(64, 16)
-    for fn, inputs in ((model.rms_norm, (x, wt, 1e-6)), (model.apply_rope, (x, cos, sin)),
-                       (model.silu_mul, (x,))):
+    for fn, inputs in ((model.rms_norm, (x, wt, 1e-6)), (model.rope_qkv, (x, cos, sin, 4, 2)),
+                       (model.rope_qkv, (x, cos, sin, 4, 2, wt, wk, 1e-6)), (model.silu_mul, (x,))):
         gpu = fused(fn, inputs[0].cuda())(*[a.cuda() if torch.is_tensor(a) else a for a in inputs])
         assert rel_err(gpu.float().cpu(), fn(*inputs).float()) <= 1e-2, fn.__name__
