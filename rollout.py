@@ -24,20 +24,17 @@ next check. On CUDA each step (forward, sampling, bookkeeping) is captured in a 
 bucket (B in 1, 2, 4, ..., rows; L a multiple of 128; the sampling settings) over static buffers,
 after one eager step that also warms up cuBLAS and NCCL. On CPU steps are eager.
 
-**Sampling on the device, over a split vocabulary.** Each rank holds a slice of the logits
-[B, V/tp]. The random numbers are counter-based: the uniform u for the token at position t of
-sample (i, j) is a hash of (seed, i, j, t), so a draw depends on neither the batch composition, the
-row, the cache size nor tp, and TP ranks agree without talking.
+**Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1)
+draws, argmax_i (z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no
+running sum over the vocabulary, only a max, the same reduction as greedy decoding (which is g = 0). The
+noise is counter-based: g for token id i at position t of sample (p, j) is a hash of (seed, p, j, t, i),
+so a draw depends on neither the batch composition, the row, the cache size nor tp, and TP ranks agree
+without talking. Each rank reduces its slice of the logits [B, V/tp] to (best z + g, its id, z there,
+logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner and gives the log-prob.
 
-* Greedy: each rank takes its local max; one all-gather of (max, argmax, log-sum-exp parts)
-  picks the winner (ties go to the lowest id, like torch.argmax).
-* Temperature sampling is exact inverse-CDF sampling of softmax(logits / T): one all-gather of
-  each slice's (normaliser, mass) tells which slice holds the point u * total; that rank finds the
-  token in two levels (block sums of ~sqrt(V/tp) tokens, then the running sum inside one block, so
-  no [B, V] running sum and no vocabulary gather), and one all-reduce shares (token, log-prob).
-* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather
-  of those candidates lets every rank sort them, apply the nucleus on the top-k-renormalised
-  probabilities (as transformers does), and sample by inverse CDF. With top-p alone the candidates
+* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of
+  those candidates lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities
+  (as transformers does) and take the Gumbel-max among the survivors. With top-p alone the candidates
   are whole slices (for tp > 1 a vocabulary gather): pair top_p with a top_k to bound it.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary:
@@ -48,7 +45,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -56,8 +52,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model import AttnContext, KVCache, Transformer, load_model, read_json
+from model import TRITON, AttnContext, KVCache, Transformer, load_model, read_json
 from parallel import all_gather_stack
+
+if TRITON:
+    import triton
+    import triton.language as tl
 
 MAX_STOP_IDS = 64  # capacity of the static stop-token buffer the decode graphs read
 LEN_BUCKET = 128  # decode graphs attend over a multiple of this many cache positions
@@ -94,7 +94,7 @@ class Completion:
     finish_reason: str  # "stop" (a stop/EOS token, included in token_ids) or "length"
 
 
-# ----------------------------------------------------------------------------- counter-based uniforms
+# ----------------------------------------------------------------------------- counter-based noise
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
@@ -116,93 +116,100 @@ def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
     return _fmix32((h + sample_index * _GOLDEN) & _M32)
 
 
-def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """u in [0, 1) (24 bits, the resolution of an fp32 running sum) for each (key, position)."""
-    h = _fmix32(keys ^ _fmix32((positions * _GOLDEN + 0x2545F491) & _M32))
-    return (h >> 8).float() * 2.0 ** -24
+def token_hash(ids: torch.Tensor) -> torch.Tensor:
+    return _fmix32((ids * _GOLDEN + 0x165667B1) & _M32)
+
+
+def gumbel(keys: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, N] for the token ids [N] (or [B, N]) at each row's (key, position):
+    -log(-log u), u in (0, 1) a 24-bit hash of (key, position, id)."""
+    row = _fmix32(keys ^ _fmix32((positions * _GOLDEN + 0x2545F491) & _M32))[:, None]
+    h = _fmix32(row ^ token_hash(ids))
+    return -torch.log(-torch.log(((h >> 8).float() + 0.5) * 2.0 ** -24))
 
 
 # ----------------------------------------------------------------------------- vocab-parallel sampling
 
 
-def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """x kept strictly below total, which fp32 rounding of u * total could otherwise reach."""
-    return torch.minimum(x, total * (1 - 2.0 ** -23))
-
-
-def _inverse_cdf(c: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Index i with c[i-1] <= target < c[i] in each row of a running sum c [B, N], never past the last
-    entry of nonzero mass, so rounding cannot select a token of probability zero."""
-    idx = torch.searchsorted(c, target[:, None].contiguous(), right=True)
-    return torch.minimum(idx, torch.searchsorted(c, c[:, -1:].contiguous(), right=False))[:, 0]
-
-
-def _block_sums(p: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Masses of consecutive blocks of ~sqrt(V) tokens (the last one short, maybe empty): [B, blocks]."""
-    B, V = p.shape
-    blk = max(16, 1 << (math.isqrt(V).bit_length() - 1))
-    n = V // blk
-    return torch.cat([p[:, :n * blk].view(B, n, blk).sum(-1), p[:, n * blk:].sum(-1, keepdim=True)], -1), blk
-
-
-def _search(p: torch.Tensor, sums: torch.Tensor, blk: int, target: torch.Tensor) -> torch.Tensor:
-    """The token at which the running sum of p [B, V] passes target, in two levels (the block, then the
-    token inside it) so that no [B, V] running sum is ever built."""
-    B, V = p.shape
-    c = sums.cumsum(-1)
-    j = _inverse_cdf(c, target)[:, None]
-    rest = (target - (c.gather(1, j) - sums.gather(1, j))[:, 0]).clamp(min=0)
-    cols = j * blk + torch.arange(blk, device=p.device)
-    pb = p.gather(1, cols.clamp(max=V - 1)) * (cols < V)
-    return j[:, 0] * blk + _inverse_cdf(pb.cumsum(-1), rest)
-
-
-def greedy_tokens(logits: torch.Tensor, group, vocab_start: int = 0, limit: int | None = None):
-    """argmax over the split vocabulary and its log_softmax (T=1). logits [B, V/tp] fp32."""
-    lse = torch.logsumexp(logits, -1)
-    z = logits if limit is None else logits.masked_fill(_beyond(logits, limit), float("-inf"))
-    val, idx = z.max(-1)
-    g = all_gather_stack(torch.stack([val, (idx + vocab_start).float(), lse], -1), group)  # [tp, B, 3]
-    win = g[..., 0].argmax(0)  # the first maximum: lowest rank, so lowest id on ties
-    pick = g.gather(0, win[None, :, None].expand(1, -1, 3))[0]
-    return pick[:, 1].long(), pick[:, 0] - torch.logsumexp(g[..., 2], 0)
-
-
-def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, group, vocab_start: int = 0,
-                  limit: int | None = None):
-    """Exact draw from softmax(logits / T) over the split vocabulary by inverse CDF (see the module
-    docstring); returns (tokens [B], log_softmax(logits / T) of them)."""
-    z = logits if temperature == 1.0 else logits / temperature
-    p = torch.softmax(z, -1)  # normalised over this rank's slice
+def _sample_stats(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None):
+    """This rank's slice [B, V/tp] -> [B, 4]: the best score z + g (z alone when greedy), its global id,
+    z there, and logsumexp(z); z = logits / T in fp32 (T = 1 when greedy). The reference of the kernel."""
+    z = logits.float() / (temperature or 1.0)
+    ids = torch.arange(z.shape[-1], device=z.device)
+    score = z + gumbel(keys, positions, ids + vocab_start) if temperature > 0 else z
     if limit is not None:  # ids past the tokenizer's vocabulary are never drawn but stay in the softmax
-        p = p.masked_fill(_beyond(p, limit), 0.0)
-    sums, blk = _block_sums(p)
-    mass = sums.sum(-1)
-    if group is None:
-        idx = _search(p, sums, blk, _below(u * mass, mass))
-        return idx + vocab_start, p.gather(1, idx[:, None])[:, 0].log()
-    rank, lse = dist.get_rank(group), torch.logsumexp(z, -1)
-    g = all_gather_stack(torch.stack([lse, mass], -1), group)  # [tp, B, 2]
-    lse_all = torch.logsumexp(g[..., 0], 0)
-    share = (g[..., 0] - lse_all).exp()  # each slice's normaliser as a fraction of the whole
-    incl = (g[..., 1] * share).cumsum(0)  # [tp, B]: mass up to and including each rank's slice
-    target = _below(u * incl[-1], incl[-1])
-    owner = (incl <= target).sum(0)  # the rank whose slice holds the target
-    excl = torch.cat([torch.zeros_like(incl[:1]), incl[:-1]])
-    idx = _search(p, sums, blk, ((target - excl[rank]) / share[rank]).clamp(min=0))
-    lp = p.gather(1, idx[:, None])[:, 0].log() + lse - lse_all
-    # where, not multiply: another rank's (unused) result may come from inf/nan arithmetic
-    both = torch.where((owner == rank)[:, None], torch.stack([(idx + vocab_start + 1).double(), lp.double()], -1), 0.0)
-    dist.all_reduce(both, group=group)
-    return both[:, 0].long() - 1, both[:, 1].float()
+        score = score.masked_fill(ids >= limit, float("-inf"))
+    val, idx = score.max(-1)
+    z_idx = z.gather(1, idx[:, None])[:, 0]
+    return torch.stack([val, (idx + vocab_start).float(), z_idx, torch.logsumexp(z, -1)], -1)
 
 
-def sample_top_k_top_p(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int,
-                       top_p: float | None, group, vocab_start: int = 0, limit: int | None = None):
+if TRITON:
+    @triton.jit
+    def _fmix32_tl(x):
+        x = (x ^ (x >> 16)) * 0x85EBCA6B
+        x = (x ^ (x >> 13)) * 0xC2B2AE35
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sample_chunk(Z, Keys, Pos, Out, V, stride_z, temperature, vocab_start, limit,
+                      GREEDY: tl.constexpr, CHUNK: tl.constexpr):
+        """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
+        and sum of exp of z, its best score, that token's index in the slice and z there."""
+        b, c = tl.program_id(0), tl.program_id(1)
+        i = c * CHUNK + tl.arange(0, CHUNK)
+        z = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf")).to(tl.float32) / temperature
+        score = z
+        if not GREEDY:
+            pos = tl.load(Pos + b).to(tl.uint32)
+            row = _fmix32_tl(tl.load(Keys + b).to(tl.uint32) ^ _fmix32_tl(pos * 0x9E3779B1 + 0x2545F491))
+            ids = (i + vocab_start).to(tl.uint32)
+            h = _fmix32_tl(row ^ _fmix32_tl(ids * 0x9E3779B1 + 0x165667B1))
+            score = z - tl.log(-tl.log(((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08))
+        score = tl.where(i < limit, score, float("-inf"))
+        m = tl.max(z, 0)
+        best, j = tl.max(score, 0, return_indices=True)
+        at = tl.sum(tl.where(tl.arange(0, CHUNK) == j, z, 0.0), 0)
+        o = Out + (b * tl.num_programs(1) + c) * 5
+        tl.store(o, m)
+        tl.store(o + 1, tl.sum(tl.exp(z - m), 0))
+        tl.store(o + 2, best)
+        tl.store(o + 3, (c * CHUNK + j).to(tl.float32))
+        tl.store(o + 4, at)
+
+
+def _sample_stats_gpu(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None,
+                      chunk: int = 4096):
+    """_sample_stats with the vocabulary cut into chunks, one program each (B programs alone would leave
+    the GPU idle and serialise the hashing), then the chunks combined like the ranks are."""
+    B, V = logits.shape
+    out = torch.empty(B, triton.cdiv(V, chunk), 5, dtype=torch.float32, device=logits.device)
+    _sample_chunk[(B, out.shape[1])](logits, keys, positions, out, V, logits.stride(0), float(temperature or 1.0),
+                                     vocab_start, V if limit is None else limit, GREEDY=temperature == 0,
+                                     CHUNK=chunk)
+    m = out[..., 0].amax(-1, keepdim=True)
+    lse = m[:, 0] + (out[..., 1] * (out[..., 0] - m).exp()).sum(-1).log()
+    pick = out.gather(1, out[..., 2].argmax(-1)[:, None, None].expand(-1, 1, 5))[:, 0]
+    return torch.stack([pick[:, 2], pick[:, 3] + vocab_start, pick[:, 4], lse], -1)
+
+
+def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float, group,
+                  vocab_start: int = 0, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact draw from softmax(logits / T) by Gumbel-max (temperature 0: argmax) over the split vocabulary;
+    returns (tokens [B], their log_softmax(logits / T), T = 1 when greedy)."""
+    stats = _sample_stats_gpu if TRITON and logits.is_cuda else _sample_stats
+    g = all_gather_stack(stats(logits, keys, positions, temperature, vocab_start, limit), group)  # [tp, B, 4]
+    win = g[..., 0].argmax(0)  # the first maximum: lowest rank, so lowest id on ties
+    pick = g.gather(0, win[None, :, None].expand(1, -1, 4))[0]
+    return pick[:, 1].long(), pick[:, 2] - torch.logsumexp(g[..., 3], 0)
+
+
+def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float,
+                       top_k: int, top_p: float | None, group, vocab_start: int = 0, limit: int | None = None):
     """Draw from softmax(logits / T) restricted to the top-k, then to the nucleus of mass top_p of the
     top-k-renormalised distribution (top_p None = off); log-probs as in sample_tokens."""
     B, V = logits.shape
-    z = logits if temperature == 1.0 else logits / temperature
+    z = logits.float() / temperature
     lse = torch.logsumexp(z, -1)
     if limit is not None:
         z = z.masked_fill(_beyond(z, limit), float("-inf"))
@@ -216,13 +223,12 @@ def sample_top_k_top_p(logits: torch.Tensor, u: torch.Tensor, temperature: float
         ci = ci.gather(1, order)
     if top_k > 0:
         cv, ci = cv[:, :top_k], ci[:, :top_k]
-    p = (cv - lse[:, None]).exp()
+    score = cv + gumbel(keys, positions, ci.long())
     if top_p is not None:  # keep a token while the mass strictly above it is < top_p (so always the first)
-        q = p / p.sum(-1, keepdim=True)
-        p = p * ((q.cumsum(-1) - q) < top_p)
-    c = p.cumsum(-1)
-    idx = _inverse_cdf(c, _below(u * c[:, -1], c[:, -1]))[:, None]
-    return ci.gather(1, idx)[:, 0].long(), cv.gather(1, idx)[:, 0] - lse
+        q = torch.softmax(cv, -1)
+        score = score.masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
+    j = score.argmax(-1, keepdim=True)
+    return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
 
 
 def _beyond(x: torch.Tensor, limit: int) -> torch.Tensor:
@@ -328,12 +334,10 @@ class Generator:
     # --- one decode step over rows 0..B-1 (captured in a CUDA graph on GPU)
     def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         temperature, top_k, top_p = self.mode  # baked into the decode graphs
-        if temperature == 0:
-            return greedy_tokens(logits, self.group, self.vocab_start, self.limit)
-        u = uniforms(keys, positions)
         if top_k > 0 or top_p is not None:
-            return sample_top_k_top_p(logits, u, temperature, top_k, top_p, self.group, self.vocab_start, self.limit)
-        return sample_tokens(logits, u, temperature, self.group, self.vocab_start, self.limit)
+            return sample_top_k_top_p(logits, keys, positions, temperature, top_k, top_p, self.group,
+                                      self.vocab_start, self.limit)
+        return sample_tokens(logits, keys, positions, temperature, self.group, self.vocab_start, self.limit)
 
     def _decode_step(self, B: int, L: int) -> None:
         tok, lengths, ngen, done = self.tok[:B], self.lengths[:B], self.ngen[:B], self.done[:B]

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import KVCache, ModelConfig, Transformer  # noqa: E402
-from rollout import Generator, SamplingParams, sample_tokens, uniforms  # noqa: E402
+from rollout import Generator, SamplingParams, sample_tokens  # noqa: E402
 
 HBM = 4.8e12
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
@@ -83,10 +83,24 @@ def profile(gen: Generator, model: Transformer, B: int, L: int, vocab: int) -> s
         fn()
         _, dt = sync_time(lambda: [fn() for _ in range(n)])
         return dt / n * 1e3
+    gen.lengths[:B] = torch.randint(L // 3, L - 32, (B,), device="cuda", dtype=torch.int32)  # mid-generation rows
     step = ms(lambda: gen._step(B, L))
-    logits = torch.randn(B, model.lm_head.weight.shape[0], device="cuda") * 3
-    u = uniforms(torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda"))
-    samp = ms(lambda: sample_tokens(logits, u, 1.0, None))
+    logits = (torch.randn(B, model.lm_head.weight.shape[0], device="cuda") * 3).bfloat16()
+    keys, pos = torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
+    samp = ms(lambda: sample_tokens(logits, keys, pos, 1.0, None))
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch.no_grad(), torch_profile(activities=acts, record_shapes=True) as prof:  # 10 eager decode steps
+        for _ in range(10):
+            gen._decode_step(B, L)
+        torch.cuda.synchronize()
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=40,
+                                                             max_name_column_width=50, max_shapes_column_width=80))
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:  # 10 graph replays
+        for _ in range(10):
+            gen._step(B, L)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     return f"step {step:.2f} ms (sampling alone, eager: {samp:.2f} ms) at B={B} L={L}"
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import helpers
-from model import ModelConfig, Transformer, load_model
+from model import ModelConfig, load_model
 
 torch.manual_seed(0)
 
@@ -95,8 +95,8 @@ def test_bf16_loads_and_runs(tmp_path):
     x = packed([torch.randint(0, 256, (12,))])
     with torch.no_grad():
         a, b = m32.logits(m32.packed(*x)), m16.logits(m16.packed(*x))
-    assert b.dtype == torch.float32 and next(m16.parameters()).dtype == torch.bfloat16
-    assert rel_err(b, a) < 0.05
+    assert b.dtype == torch.bfloat16 == next(m16.parameters()).dtype  # consumers upcast inside their kernels
+    assert rel_err(b.float(), a) < 0.05
 
 
 def test_sharded_safetensors_index(tmp_path):

@@ -436,6 +436,8 @@ def test_fused_kernels_match_eager_cpu():
     x, wt, wk = torch.randn(64, 8, 32).bfloat16(), torch.randn(32).bfloat16(), torch.randn(32).bfloat16()
     cos, sin = torch.rand(64, 16), torch.rand(64, 16)
     for fn, inputs in ((model.rms_norm, (x, wt, 1e-6)), (model.rope_qkv, (x, cos, sin, 4, 2)),
-                       (model.rope_qkv, (x, cos, sin, 4, 2, wt, wk, 1e-6)), (model.silu_mul, (x,))):
+                       (model.rope_qkv, (x, cos, sin, 4, 2, wt, wk, 1e-6)), (model.silu_mul, (x,)),
+                       (model.add_rms_norm, (x, x.flip(0), wt, 1e-6))):
         gpu = fused(fn, inputs[0].cuda())(*[a.cuda() if torch.is_tensor(a) else a for a in inputs])
-        assert rel_err(gpu.float().cpu(), fn(*inputs).float()) <= 1e-2, fn.__name__
+        for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (gpu, fn(*inputs)))):
+            assert rel_err(a.float().cpu(), b.float()) <= 1e-2, fn.__name__

@@ -181,7 +181,7 @@ def test_stop_tokens_and_max_length(model):
     assert tokens(got) == [free[0][:3], free[1][:1], free[2]]
     # sampled, with several stop ids: nothing follows a stop token, and max_new_tokens bounds the rest
     stops = set(free[1][:4])
-    comps = gen.generate(prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=7, seed=4,
+    comps = gen.generate(prompts, SamplingParams(n=16, temperature=1.0, max_new_tokens=7, seed=4,
                                                  stop_token_ids=tuple(stops)))
     for c in comps:
         assert not stops & set(c.token_ids[:-1]) and 1 <= len(c.token_ids) <= 7
@@ -294,3 +294,20 @@ def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L):
     finally:
         M.TRITON = True
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("temperature,vocab_start,limit", [(0.0, 0, None), (1.0, 0, None), (0.7, 5000, 4000)])
+def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit):
+    """On GPU the sampler's per-slice reduction is a Triton kernel over vocabulary chunks, in uint32
+    arithmetic: the same hashes, so the same tokens as the int64 torch reference."""
+    import rollout
+    if not rollout.TRITON:
+        pytest.skip("needs triton")
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 5000) * 3).bfloat16().cuda()
+    keys = torch.tensor([rollout.sample_key(9, i, 3) for i in range(64)], device="cuda")
+    pos = torch.arange(64, device="cuda") + 11
+    want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit)
+    got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, chunk=1024)
+    assert torch.equal(got[:, 1], want[:, 1]) and (got - want).abs().max().item() < 1e-3
