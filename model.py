@@ -150,10 +150,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused(rms_norm, x)(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y, its norm) in one kernel: the residual stream is read once for both."""
-        return fused(add_rms_norm, x)(x, y, self.weight, self.eps)
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # normalise in fp32 and cast back before the scale, as transformers does
@@ -162,6 +158,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + y, its RMSNorm) in one kernel on GPU: the residual stream is read once for both."""
     s = x + y
     return s, rms_norm(s, weight, eps)
 
@@ -440,7 +437,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, layout, dtype, device)
 
     def forward(self, x, cos, sin, ctx: AttnContext):
-        x, h = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        a, ln = self.self_attn(self.input_layernorm(x), cos, sin, ctx), self.post_attention_layernorm
+        x, h = fused(add_rms_norm, x)(x, a, ln.weight, ln.eps)
         return x + self.mlp(h)
 
 

@@ -212,7 +212,7 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
     z = logits.float() / temperature
     lse = torch.logsumexp(z, -1)
     if limit is not None:
-        z = z.masked_fill(_beyond(z, limit), float("-inf"))
+        z = z.masked_fill(torch.arange(V, device=z.device) >= limit, float("-inf"))
     k = min(top_k, V) if top_k > 0 else V
     vals, ids = z.topk(k, dim=-1)  # sorted, largest first
     g = all_gather_stack(torch.cat([lse[:, None], vals, (ids + vocab_start).float()], -1), group)  # [tp, B, 1+2k]
@@ -229,10 +229,6 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
         score = score.masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
     j = score.argmax(-1, keepdim=True)
     return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
-
-
-def _beyond(x: torch.Tensor, limit: int) -> torch.Tensor:
-    return torch.arange(x.shape[-1], device=x.device) >= limit
 
 
 # ----------------------------------------------------------------------------- the generator
