@@ -19,10 +19,11 @@ token. At a check, finished rows are read out and refilled from the waiting prom
 does not idle the batch (a row done mid-window decodes a few tokens nobody reads). When nothing is
 waiting and few rows are live, they move to the front (k/v copied) so decode runs over fewer rows.
 
-A decode step attends over the first L positions of rows 0..B-1, L covering every row until the
-next check. On CUDA each step (forward, sampling, bookkeeping) is captured in a CUDA graph per
-bucket (B in 1, 2, 4, ..., rows; L a multiple of 128; the sampling settings) over static buffers,
-after one eager step that also warms up cuBLAS and NCCL. On CPU steps are eager.
+A decode step runs rows 0..B-1, each attending to its own length. On CUDA each step (forward,
+sampling, bookkeeping) is captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling
+settings) over static buffers, after one eager step that also warms up cuBLAS and NCCL; the attention
+kernel splits each row's keys by the row's length at run time, so no graph depends on the lengths.
+On CPU steps are eager and attend over the first L positions, L covering every row until the next check.
 
 **Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1)
 draws, argmax_i (z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no
@@ -60,7 +61,6 @@ if TRITON:
     import triton.language as tl
 
 MAX_STOP_IDS = 64  # capacity of the static stop-token buffer the decode graphs read
-LEN_BUCKET = 128  # decode graphs attend over a multiple of this many cache positions
 
 
 @dataclass
@@ -351,7 +351,7 @@ class Generator:
     def _step(self, B: int, L: int) -> None:
         if not self.use_graphs:
             return self._decode_step(B, L)
-        key = (B, L, self.mode)
+        key = (B, self.mode)  # L is the whole cache here
         if (graph := self.graphs.get(key)) is not None:
             return graph.replay()
         # this bucket's first step: run it for real, on a side stream as capture wants, then capture it
@@ -464,7 +464,7 @@ class Generator:
             steps = min(self.sync_every, max(max_new[owner[r][0]] - owner[r][3] for r in live))
             # every row stays below L through the window: live rows grow from prompt + generated
             L = max(owner[r][2] + owner[r][3] for r in live) + steps
-            L = min(self.cache.max_len, -(-L // LEN_BUCKET) * LEN_BUCKET if self.use_graphs else L)
+            L = self.cache.max_len if self.use_graphs else min(self.cache.max_len, L)
             for _ in range(steps):
                 self._step(B, L)
             self.stats["decode_steps"] += steps

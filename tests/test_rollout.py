@@ -278,15 +278,18 @@ def test_cuda_graphs_match_eager_and_free_releases_memory(ckpt):
 
 
 @cuda
-@pytest.mark.parametrize("B,hkv,g,d,L", [(256, 2, 7, 64, 768), (1, 4, 7, 128, 2000), (5, 2, 2, 24, 37)])
-def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L):
+@pytest.mark.parametrize("B,hkv,g,d,L,longest", [(256, 2, 7, 64, 768, 768), (1, 4, 7, 128, 2000, 2000),
+                                                 (5, 2, 2, 24, 37, 37), (3, 2, 7, 64, 8192, 300)])
+def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L, longest):
+    """Rows of any length up to `longest` in a cache of L positions (the kernel splits each row by its length:
+    in the last case most splits are empty)."""
     import model as M
     if not M.TRITON:
         pytest.skip("needs triton")
     torch.manual_seed(0)
     k, v = (torch.randn(B, hkv, L + 9, d, device="cuda", dtype=torch.bfloat16)[:, :, :L] for _ in range(2))
     q = torch.randn(B, hkv * g, d, device="cuda", dtype=torch.bfloat16)
-    lengths = torch.randint(1, L + 1, (B,), device="cuda", dtype=torch.int32)
+    lengths = torch.randint(1, longest + 1, (B,), device="cuda", dtype=torch.int32)
     got = M.decode_attention(q, k, v, lengths)
     M.TRITON = False
     try:
