@@ -123,8 +123,6 @@ def make_layout(tp: int = 1, pp: int = 1) -> Layout:
     coords = [(r // (tp * pp), r // tp % pp, r % tp) for r in range(world)]  # (dp, pp, tp) rank of each rank
     dp_rank, pp_rank, tp_rank = coords[rank]
     lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
-    if world == 1:
-        return lay
     for axis, kind in ((2, "tp"), (1, "pp"), (0, "dp")):
         groups = {}  # the ranks that differ only along `axis`, keyed by their other two coordinates
         for r, c in enumerate(coords):
@@ -174,6 +172,15 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order ([obj] without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -317,11 +324,9 @@ def fused(fn, x: torch.Tensor):
     Shapes are left to torch.compile's automatic dynamism: the token count, which changes from call to call,
     turns symbolic at the first recompile, while the model's sizes (V/tp, d) stay constants, so the kernels
     keep aligned, vectorised loads (all-symbolic shapes made the 0.5B decode step ~13% slower on H200)."""
-    if not x.is_cuda:
-        return fn
-    if fn not in _compiled:
+    if x.is_cuda and fn not in _compiled:
         _compiled[fn] = torch.compile(fn)
-    return _compiled[fn]
+    return _compiled[fn] if x.is_cuda else fn
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
@@ -334,8 +339,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
     def forward(ctx, logits, targets, group, temperature):
         n = logits.shape[-1]
         local = targets - (0 if group is None else dist.get_rank(group)) * n
-        own = (local >= 0) & (local < n)
-        local = local.clamp(0, n - 1)
+        own, local = (local >= 0) & (local < n), local.clamp(0, n - 1)
         m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)
         vmax = all_reduce(m.clone(), group, dist.ReduceOp.MAX)
         scale = torch.exp(m - vmax)
@@ -356,10 +360,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group, temperature: float = 1.0,
                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of `targets` [T] (global ids) under softmax(logits / temperature), and the entropy
-    of that distribution when asked; `logits` is this rank's vocabulary slice [T, V/tp].
-
-    Memory: only the logits themselves are kept for the backward, which recomputes the softmax from them
-    (the entropy costs no extra memory: it is one more sum in the same pass)."""
+    of that distribution when asked; `logits` is this rank's vocabulary slice [T, V/tp]."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
@@ -424,9 +425,7 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
         all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
         _WARM_GROUPS.add(layout.pp_group)
 
-    def recv_buffer(mb):
-        return torch.empty(_tokens(mb), model.cfg.hidden_size, dtype=param.dtype, device=param.device)
-
+    recv_buffer = lambda mb: param.new_empty(_tokens(mb), model.cfg.hidden_size)  # noqa: E731
     for i, out in zip(work, _1f1b(model, layout, mbs, loss_fn, forward_only, recv_buffer)):
         outputs[i] = out
     if layout.is_last_stage:  # empty micro-batches: loss_fn on an empty hidden gives their outputs
@@ -470,8 +469,7 @@ def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, r
         y = forward(warmup + j, x)
         _, dy = _p2p(layout, recv_buffer, send_next=y, recv_next=mbs[j])
         dx = _backward_step(*inflight.pop(0), dy)
-        last = warmup + j + 1 == n
-        x, _ = _p2p(layout, recv_buffer, send_prev=dx, recv_prev=None if last else mbs[warmup + j + 1])
+        x, _ = _p2p(layout, recv_buffer, send_prev=dx, recv_prev=mbs[warmup + j + 1] if warmup + j + 1 < n else None)
     for j in range(n - len(inflight), n):  # cooldown: the backwards still pending
         _, dy = _p2p(layout, recv_buffer, recv_next=mbs[j])
         _p2p(layout, recv_buffer, send_prev=_backward_step(*inflight.pop(0), dy))
@@ -675,12 +673,9 @@ class ShardedAdamW:
         Every element counts once over the whole grid: DP parts are disjoint, PP stages hold different
         layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count 1/tp on each of the
         tp ranks holding them; so one all-reduce over the world sums it all."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.grad_buffer.device)
-        if self.norm_parts:
-            sq = torch.stack(torch._foreach_norm(self.norm_parts)).square() @ self.norm_weights
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sq)
-        norm = sq.sqrt().item()
+        sq = (torch.stack(torch._foreach_norm(self.norm_parts)).square() @ self.norm_weights if self.norm_parts
+              else self.grad_buffer.new_zeros(()))
+        norm = all_reduce(sq, dist.group.WORLD if dist.is_initialized() else None).sqrt().item()
         if max_norm > 0 and math.isfinite(norm) and (coef := max_norm / (norm + 1e-6)) < 1.0:
             torch._foreach_mul_(self.owned_grads, coef)
         return norm

@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from model import ModelConfig, Transformer, open_safetensors, read_json
-from parallel import (Layout, _all_gather_flat, _new_group, all_reduce, model_state, shard_name, stage_layers,
-                      validate_layout)
+from parallel import (Layout, _all_gather_flat, _new_group, all_gather_objects, all_reduce, model_state, shard_name,
+                      stage_layers, validate_layout)
 
 # ----------------------------------------------------------------------------- the grouping
 
@@ -357,10 +357,7 @@ def dispatch_prompts(prompts: list, gen_layout: Layout) -> tuple[list, int]:
 
 def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
     """Every replica's completions on every rank, in global prompt order (prompt_index made global)."""
-    parts = [(offset, done)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (offset, done) if gen_layout.tp_rank == 0 else None)
+    parts = all_gather_objects((offset, done) if gen_layout.tp_rank == 0 else None)
     parts = sorted((p for p in parts if p is not None), key=lambda p: p[0])
     return [dataclasses.replace(c, prompt_index=c.prompt_index + off)
             if dataclasses.is_dataclass(c) and hasattr(c, "prompt_index") else c for off, items in parts for c in items]
@@ -415,9 +412,8 @@ class _Checkpoint:
         if hf not in self.index:
             raise KeyError(f"checkpoint {self.dir!r} has no tensor for {hf!r}")
         files, name, dim, rows = self.index[hf]
-        if dim is None:
-            return files[0].get_tensor(name)
-        return torch.cat([f.get_slice(name)[(slice(None),) * dim + (rows,)] for f in files], dim)
+        return (files[0].get_tensor(name) if dim is None
+                else torch.cat([f.get_slice(name)[(slice(None),) * dim + (rows,)] for f in files], dim))
 
 
 def load_full_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
@@ -450,47 +446,42 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_templ
 def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
     """A Hugging Face directory (config.json, safetensors shards + index, tokenizer files) from a checkpoint,
     written into a temporary directory that is renamed into place; one shard in memory at a time."""
+    from safetensors.torch import save_file
     ck = _Checkpoint(ckpt_dir)
     if os.path.exists(out_dir):
         raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
-    tmp = out_dir.rstrip("/") + ".tmp"
+    tmp, shards, cur, total = out_dir.rstrip("/") + ".tmp", [], {}, 0
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    try:
-        _write_hf(ck, ckpt_dir, tmp, dtype, max_shard_bytes)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written survives a failure (disk full, ^C)
-        raise
-    os.replace(tmp, out_dir)
-
-
-def _write_hf(ck: _Checkpoint, ckpt_dir: str, tmp: str, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-    shards, cur, total = [], {}, 0
 
     def flush():
         save_file(cur, os.path.join(tmp, f"part{len(shards)}"), metadata={"format": "pt"})
         shards.append(list(cur))
         cur.clear()
-    for hf in [h for h in ck.index if not h.startswith("value_head.")]:  # a critic's head is no part of a causal LM
-        t = ck.tensor(hf).to(dtype=dtype).contiguous()  # dtype None: as stored
-        if cur and sum(v.nbytes for v in cur.values()) + t.nbytes > max_shard_bytes:
-            flush()
-        cur[hf], total, written = t, total + t.nbytes, t.dtype
-    flush()
-    weight_map = {}
-    for i, names in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(os.path.join(tmp, f"part{i}"), os.path.join(tmp, fn))
-        weight_map.update(dict.fromkeys(names, fn))
-    config = {**ck.meta["model_config"], "torch_dtype": str(written)[6:], "dtype": str(written)[6:]}
-    for fn, obj in (("model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}),
-                    ("config.json", config)):
-        with open(os.path.join(tmp, fn), "w") as f:
-            json.dump(obj, f, indent=1)
-    for fn in os.listdir(ckpt_dir):
-        if fn.startswith(TOKENIZER_FILES):
-            shutil.copy(os.path.join(ckpt_dir, fn), tmp)
+    try:
+        for hf in [h for h in ck.index if not h.startswith("value_head.")]:  # a critic's head is no part of a causal LM
+            t = ck.tensor(hf).to(dtype=dtype).contiguous()  # dtype None: as stored
+            if cur and sum(v.nbytes for v in cur.values()) + t.nbytes > max_shard_bytes:
+                flush()
+            cur[hf], total, written = t, total + t.nbytes, t.dtype
+        flush()
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            os.replace(os.path.join(tmp, f"part{i}"), os.path.join(tmp, fn))
+            weight_map.update(dict.fromkeys(names, fn))
+        config = {**ck.meta["model_config"], "torch_dtype": str(written)[6:], "dtype": str(written)[6:]}
+        for fn, obj in (("model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}),
+                        ("config.json", config)):
+            with open(os.path.join(tmp, fn), "w") as f:
+                json.dump(obj, f, indent=1)
+        for fn in os.listdir(ckpt_dir):
+            if fn.startswith(TOKENIZER_FILES):
+                shutil.copy(os.path.join(ckpt_dir, fn), tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written survives a failure (disk full, ^C)
+        raise
+    os.replace(tmp, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,8 +55,8 @@ from tqdm import tqdm
 import algorithms as alg
 from data import PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
 from model import ModelConfig, load_model, read_json
-from parallel import (ShardedAdamW, lr_at, make_layout, pipeline_forward_backward, shard_name, validate_layout,
-                      vocab_parallel_logprobs)
+from parallel import (ShardedAdamW, all_gather_objects, all_reduce, lr_at, make_layout, pipeline_forward_backward,
+                      shard_name, validate_layout, vocab_parallel_logprobs)
 from reshard import Resharder, collect_results, dispatch_prompts, load_into, save_model_shard
 from rewards import load_reward_fn, score_batch
 from rollout import Generator, SamplingParams
@@ -308,21 +308,6 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
 # ----------------------------------------------------------------------------- start-up
 
 
-def init_distributed(cfg: Config) -> torch.device:
-    """torchrun's environment -> process group (NCCL on GPU, gloo on CPU); one process works too."""
-    want = cfg.trainer.device
-    use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.trainer.timeout_s),
-                                device_id=device if use_cuda else None)
-    return device
-
-
 @dataclass
 class Role:
     """A model in the training layout with (for trained roles) its sharded optimizer."""
@@ -333,19 +318,7 @@ class Role:
 
 def world_sum(t: torch.Tensor, contribute: bool) -> torch.Tensor:
     """Sum over the world where only `contribute` ranks add their value (the others add zeros)."""
-    t = t if contribute else torch.zeros_like(t)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj`, in rank order ([obj] without a process group)."""
-    if not dist.is_initialized():
-        return [obj]
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)
-    return parts
+    return all_reduce(t if contribute else torch.zeros_like(t), dist.group.WORLD if dist.is_initialized() else None)
 
 
 def sum_dicts(dicts: list[dict]) -> dict[str, float]:
@@ -463,8 +436,16 @@ class Trainer:
     """Holds the roles, data, sampler and counters of one run (the state a checkpoint saves)."""
 
     def __init__(self, cfg: Config):
-        self.cfg, self.out = cfg, cfg.trainer.output_dir
-        self.device = init_distributed(cfg)
+        self.cfg, self.out, want = cfg, cfg.trainer.output_dir, cfg.trainer.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
+        use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        if "RANK" in os.environ and not dist.is_initialized():  # torchrun's environment; one process works too
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.trainer.timeout_s),
+                                    device_id=self.device if use_cuda else None)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         for seed in (random.seed, np.random.seed, torch.manual_seed):
             seed(cfg.trainer.seed)
@@ -705,8 +686,7 @@ class Trainer:
                     records.append({"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
                                     "ground_truth": batch.ground_truth[i], "score": float(scores[i])})
         if self.rank == 0:
-            d = os.path.join(self.out, "val_generations")
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(d := os.path.join(self.out, "val_generations"), exist_ok=True)
             write_text(os.path.join(d, f"step_{self.step}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
         return {f"val-core/{src}/reward/mean@{cfg.rollout.val_n}": float(np.mean(v)) for src, v in by_src.items()}
 
@@ -777,8 +757,7 @@ class Trainer:
                   f"tp={lay.tp} pp={lay.pp} dp={lay.dp}: weights exact, Adam moments restarted", flush=True)
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
-        self.nonfinite_skips = st.get("nonfinite_skips", 0)
-        self.step = st["step"]
+        self.nonfinite_skips, self.step = st.get("nonfinite_skips", 0), st["step"]
 
     # --- the loop
     def fit(self) -> None:
