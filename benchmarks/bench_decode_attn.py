@@ -20,12 +20,10 @@ def launch(q, k, v, lengths, block, warps, stages, split_factor):
     G, GP, DP = H // hkv, max(16, triton.next_power_of_2(H // hkv)), max(16, triton.next_power_of_2(d))
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     S = max(1, min(triton.cdiv(L, block), triton.cdiv(split_factor * sms, B * hkv)))
-    split = triton.cdiv(triton.cdiv(L, S), block) * block
-    S = triton.cdiv(L, split)
     mo, lo = (torch.empty(B, hkv, S, GP, dtype=torch.float32, device=q.device) for _ in range(2))
     ao = torch.empty(B, hkv, S, GP, DP, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    model._flash_decode_split[(B, hkv, S)](q, k, v, lengths, mo, lo, ao, d ** -0.5, split, *q.stride()[:2],
+    model._flash_decode_split[(B, hkv, S)](q, k, v, lengths, mo, lo, ao, d ** -0.5, *q.stride()[:2],
                                            *k.stride()[:3], *v.stride()[:3], G=G, D=d, GP=GP, DP=DP, BLOCK=block,
                                            num_warps=warps, num_stages=stages)
     model._flash_decode_merge[(B, hkv)](mo, lo, ao, out, out.stride(0), out.stride(1), S=S,
