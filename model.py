@@ -448,7 +448,7 @@ class Transformer(nn.Module):
 
     forward() takes token ids on the first stage (hidden states [T, D] on the others) and returns hidden
     states; on the last stage they are final-normed, and `logits()` / `values()` turn them into
-    vocab-parallel logits [T, V/tp] (fp32) or scalar values [T]."""
+    vocab-parallel logits [T, V/tp] (compute dtype) or scalar values [T] (fp32)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout | None = None, dtype=torch.float32, device=None,
                  value_head: bool = False, lm_head: bool = True):

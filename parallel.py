@@ -225,11 +225,6 @@ def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """Concatenate every TP rank's x along the last dim (no autograd; generation and tests)."""
-    return x if group is None else torch.cat(all_gather_stack(x, group).unbind(0), dim=-1)
-
-
 # ----------------------------------------------------------------------------- TP layers
 
 
@@ -474,23 +469,6 @@ def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, r
         _, dy = _p2p(layout, recv_buffer, recv_next=mbs[j])
         _p2p(layout, recv_buffer, send_prev=_backward_step(*inflight.pop(0), dy))
     return outputs
-
-
-def _to_cpu(obj):
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj.cpu() if torch.is_tensor(obj) else obj
-
-
-def broadcast_from_last_stage(obj, layout: Layout):
-    """Give every rank of the PP group the last stage's `obj` (picklable; tensors arrive on the CPU)."""
-    if layout.pp_group is None:
-        return obj
-    box = [_to_cpu(obj) if layout.is_last_stage else None]
-    dist.broadcast_object_list(box, src=layout.pp_ranks[-1], group=layout.pp_group)
-    return box[0]
 
 
 # ----------------------------------------------------------------------------- DP + ZeRO-1 AdamW

@@ -416,12 +416,6 @@ class _Checkpoint:
                 else torch.cat([f.get_slice(name)[(slice(None),) * dim + (rows,)] for f in files], dim))
 
 
-def load_full_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """Every full tensor of a sharded checkpoint under its HF name (fused pieces split, TP shards joined)."""
-    ck = _Checkpoint(ckpt_dir)
-    return {hf: ck.tensor(hf) for hf in ck.index}
-
-
 @torch.no_grad()
 def load_into(model: Transformer, ckpt_dir: str) -> None:
     """Fill this rank's shard of `model` (any layout) from a checkpoint written under any other layout,

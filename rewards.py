@@ -193,8 +193,6 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str,
 
 # --------------------------------------------------------------------------- user scorers and batches
 
-_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
-
 
 def load_reward_fn(spec: str | None) -> Callable:
     """None -> compute_score; "path/to/file.py:function" -> that function, checked for verl's signature.
@@ -219,7 +217,8 @@ def load_reward_fn(spec: str | None) -> Callable:
     try:
         inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
     except TypeError as e:
-        raise TypeError(f"reward function {spec!r} must have the signature {_SIGNATURE}: {e}") from None
+        raise TypeError(f"reward function {spec!r} must have the signature "
+                        f"fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict: {e}") from None
     return fn
 
 

@@ -115,15 +115,11 @@ def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
     return _fmix32((h + sample_index * _GOLDEN) & _M32)
 
 
-def token_hash(ids: torch.Tensor) -> torch.Tensor:
-    return _fmix32((ids * _GOLDEN + 0x165667B1) & _M32)
-
-
 def gumbel(keys: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, N] for the token ids [N] (or [B, N]) at each row's (key, position):
     -log(-log u), u in (0, 1) a 24-bit hash of (key, position, id)."""
     row = _fmix32(keys ^ _fmix32((positions * _GOLDEN + 0x2545F491) & _M32))[:, None]
-    h = _fmix32(row ^ token_hash(ids))
+    h = _fmix32(row ^ _fmix32((ids * _GOLDEN + 0x165667B1) & _M32))
     return -torch.log(-torch.log(((h >> 8).float() + 0.5) * 2.0 ** -24))
 
 
@@ -313,9 +309,7 @@ class Generator:
 
     def free(self) -> None:
         """Release the KV cache, the static buffers and the CUDA graphs (and their memory pool)."""
-        for g in self.graphs.values():
-            g.reset()
-        self.graphs.clear()
+        self.graphs.clear()  # a CUDAGraph frees its memory when it is dropped
         for name in ("cache", "tok", "lengths", "keys", "ngen", "done", "max_new", "out_tok", "out_lp", "stop_ids",
                      "pool"):
             setattr(self, name, None)  # no gc.collect(): nothing here is in a cycle, and it took 0.25 s per step

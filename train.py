@@ -57,7 +57,7 @@ from data import PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer
 from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, all_gather_objects, all_reduce, lr_at, make_layout, pipeline_forward_backward,
                       shard_name, validate_layout, vocab_parallel_logprobs)
-from reshard import Resharder, collect_results, dispatch_prompts, load_into, save_model_shard
+from reshard import TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, save_model_shard
 from rewards import load_reward_fn, score_batch
 from rollout import Generator, SamplingParams
 
@@ -651,14 +651,11 @@ class Trainer:
         tokens = float(resp_len.sum() + plen.sum())
         adv, ret = ((batch.tensors["advantages"][valid], batch.tensors["returns"][valid]) if valid.any()
                     else (torch.zeros(1), torch.zeros(1)))
-        m = {"critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
-             "critic/score/min": scores.min().item(), "critic/rewards/mean": rewards.sum(-1).mean().item(),
-             "critic/advantages/mean": adv.mean().item(), "critic/advantages/max": adv.max().item(),
-             "critic/advantages/min": adv.min().item(), "critic/returns/mean": ret.mean().item(),
-             "response_length/mean": resp_len.mean().item(), "response_length/max": resp_len.max().item(),
-             "response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
-             "prompt_length/mean": plen.mean().item(), "perf/total_num_tokens": tokens,
-             "perf/throughput": tokens / timing["timing_s/step"] / self.world}
+        m = {f"{k}/{stat}": float(getattr(x.float(), stat)()) for stat in ("mean", "max", "min") for k, x in (
+            ("critic/score", scores), ("critic/rewards", rewards.sum(-1)), ("critic/advantages", adv),
+            ("critic/returns", ret), ("response_length", resp_len), ("prompt_length", plen))}
+        m.update({"response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
+                  "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["timing_s/step"] / self.world})
         # actor update FLOPs: 6N per token (forward + backward) + causal attention, per PPO epoch
         attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float(((resp_len + plen) ** 2).sum()) / 2
         flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs
@@ -713,7 +710,7 @@ class Trainer:
             meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": self.mcfg.raw}
             write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
             for f in os.listdir(self.cfg.actor.model_path):
-                if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                if f.startswith(TOKENIZER_FILES):
                     shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
             for f in [*(os.path.join(tmp, f) for f in os.listdir(tmp)), tmp]:
                 fsync(f)  # every rank's shards reach the disk before the rename publishes them

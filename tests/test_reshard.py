@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import helpers
 import reshard
 from model import load_model
-from parallel import Layout, ShardedAdamW, all_gather_last_dim, make_layout
+from parallel import Layout, ShardedAdamW, all_gather_stack, make_layout
 from reshard import Resharder, collect_results, dispatch_prompts, generation_groups
 
 # ----------------------------------------------------------------------------- the grouping (no processes)
@@ -321,8 +321,19 @@ def test_reshard_layouts(case, tmp_path):
         _check_export(res, str(tmp_path))
 
 
+def all_gather_last_dim(x, group):
+    """Every TP rank's x concatenated along the last dim (the full logits)."""
+    return x if group is None else torch.cat(all_gather_stack(x, group).unbind(0), dim=-1)
+
+
+def load_full_state(ckpt_dir):
+    """Every full tensor of a sharded checkpoint under its HF name."""
+    ck = reshard._Checkpoint(ckpt_dir)
+    return {hf: ck.tensor(hf) for hf in ck.index}
+
+
 def load_full_state_equal(ck, full):
-    got = reshard.load_full_state(ck)
+    got = load_full_state(ck)
     return set(got) == set(full) and all(torch.equal(got[n], full[n]) for n in full)
 
 
@@ -370,4 +381,4 @@ def test_load_into_errors(tmp_path):
         reshard.load_into(m, str(ck))
     json.dump({"step": 0, "tp": 2, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck / "meta.json", "w"))
     with pytest.raises(FileNotFoundError, match="lacks .*model_pp0_tp1.safetensors"):
-        reshard.load_full_state(str(ck))
+        load_full_state(str(ck))
