@@ -174,6 +174,11 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def world_all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """all_reduce over every rank (a no-op in a single process)."""
+    return all_reduce(x, dist.group.WORLD if dist.is_initialized() else None, op)
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's `obj` (picklable), in rank order ([obj] without a process group)."""
     if not dist.is_initialized():
@@ -653,7 +658,7 @@ class ShardedAdamW:
         tp ranks holding them; so one all-reduce over the world sums it all."""
         sq = (torch.stack(torch._foreach_norm(self.norm_parts)).square() @ self.norm_weights if self.norm_parts
               else self.grad_buffer.new_zeros(()))
-        norm = all_reduce(sq, dist.group.WORLD if dist.is_initialized() else None).sqrt().item()
+        norm = world_all_reduce(sq).sqrt().item()
         if max_norm > 0 and math.isfinite(norm) and (coef := max_norm / (norm + 1e-6)) < 1.0:
             torch._foreach_mul_(self.owned_grads, coef)
         return norm

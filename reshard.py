@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from model import ModelConfig, Transformer, open_safetensors, read_json
-from parallel import (Layout, _all_gather_flat, _new_group, all_gather_objects, all_reduce, model_state, shard_name,
-                      stage_layers, validate_layout)
+from parallel import (Layout, _all_gather_flat, _new_group, all_gather_objects, model_state, shard_name,
+                      stage_layers, validate_layout, world_all_reduce)
 
 # ----------------------------------------------------------------------------- the grouping
 
@@ -185,7 +185,7 @@ class Resharder:
             self.gen_model, self.chunks = model, []
             return
         ok = torch.tensor([float(model.lm_head is not None or not layout.is_last_stage)], device=self.device)
-        if all_reduce(ok, dist.group.WORLD if dist.is_initialized() else None, dist.ReduceOp.MIN).item() != 1.0:
+        if world_all_reduce(ok, dist.ReduceOp.MIN).item() != 1.0:
             raise ValueError("Resharder: the model has no LM head (a critic?); only the actor is resharded")
         self.gen_model = Transformer(model.cfg, self.gen_layout, self.dtype, device="meta").requires_grad_(False)
         self.gen_model.inv_freq, self.gen_model.attn_backend = model.inv_freq, model.attn_backend

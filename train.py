@@ -55,8 +55,8 @@ from tqdm import tqdm
 import algorithms as alg
 from data import PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
 from model import ModelConfig, load_model, read_json
-from parallel import (ShardedAdamW, all_gather_objects, all_reduce, lr_at, make_layout, pipeline_forward_backward,
-                      shard_name, validate_layout, vocab_parallel_logprobs)
+from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipeline_forward_backward,
+                      shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
 from reshard import TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, save_model_shard
 from rewards import load_reward_fn, score_batch
 from rollout import Generator, SamplingParams
@@ -316,11 +316,6 @@ class Role:
     ocfg: OptimConfig | None
 
 
-def world_sum(t: torch.Tensor, contribute: bool) -> torch.Tensor:
-    """Sum over the world where only `contribute` ranks add their value (the others add zeros)."""
-    return all_reduce(t if contribute else torch.zeros_like(t), dist.group.WORLD if dist.is_initialized() else None)
-
-
 def sum_dicts(dicts: list[dict]) -> dict[str, float]:
     keys = dict.fromkeys(k for d in dicts for k in d)  # in first-seen order
     return {k: sum(float(d[k]) for d in dicts if k in d) for k in keys}
@@ -572,7 +567,7 @@ class Trainer:
         full = torch.zeros(len(batch), R, device=self.device)
         for mb, o in zip(mbs, outs) if contribute else []:
             full[mb["rows"]] = scatter_rows(mb, o["out"].float(), R)
-        return world_sum(full, contribute).cpu()
+        return world_all_reduce(full).cpu()  # the other ranks add their zeros
 
     def update(self, role: Role, batch: Batch, loss_fn, epochs: int, agg_mode: str, name: str) -> dict[str, float]:
         """`epochs` x mini-batches of optimizer steps; loss_fn(model, hidden, mb, denom) -> (loss, metrics).
@@ -786,7 +781,7 @@ class Trainer:
                 logger.log(self.step, metrics)
                 bar.update(1)
                 # a SIGTERM on any rank stops all of them, after the same step
-                sigterm = bool(world_sum(torch.tensor([float(stop["sigterm"])], device=self.device), True).item())
+                sigterm = bool(world_all_reduce(torch.tensor([float(stop["sigterm"])], device=self.device)).item())
                 if sigterm or (tc.save_freq > 0 and (self.step % tc.save_freq == 0 or last)):
                     self.save_checkpoint()
                 if sigterm:
