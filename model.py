@@ -274,18 +274,19 @@ except ImportError:
 
 if TRITON:
     @triton.jit
-    def _flash_decode_split(Q, K, V, Lens, Mo, Lo, Ao, scale, sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                            G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
-                            BLOCK: tl.constexpr):
+    def _flash_decode_split(Q, K, V, Lens, Mo, Lo, Ao, O, scale, sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+                            so_b, so_h, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+                            BLOCK: tl.constexpr, DIRECT: tl.constexpr):
         """Program (row b, kv head h, split s): the G query heads of h against the s-th of S equal,
         BLOCK-aligned parts of row b's keys; writes the running max, sum and unnormalised output of the
-        part. The parts follow the row's length, read at run time, so one CUDA graph serves every length."""
+        part (or, with one part per row, DIRECT, the normalised output). The parts follow the row's length,
+        read at run time, so one CUDA graph serves every length."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(Lens + b)
         split = tl.cdiv(tl.cdiv(n, tl.num_programs(2)), BLOCK) * BLOCK
         gi, di = tl.arange(0, GP), tl.arange(0, DP)
-        q = tl.load(Q + b * sq_b + (h * G + gi)[:, None] * sq_h + di[None, :],
-                    mask=(gi[:, None] < G) & (di[None, :] < D), other=0.0)
+        rows = (gi[:, None] < G) & (di[None, :] < D)
+        q = tl.load(Q + b * sq_b + (h * G + gi)[:, None] * sq_h + di[None, :], mask=rows, other=0.0)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
@@ -302,10 +303,14 @@ if TRITON:
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = (b * tl.num_programs(1) + h) * tl.num_programs(2) + s
-        tl.store(Mo + out * GP + gi, m)
-        tl.store(Lo + out * GP + gi, l)
-        tl.store(Ao + (out * GP + gi)[:, None] * DP + di[None, :], acc)
+        if DIRECT:  # the whole row in one part (every row has >= 1 key): no merge pass
+            tl.store(O + b * so_b + (h * G + gi)[:, None] * so_h + di[None, :],
+                     (acc / l[:, None]).to(O.dtype.element_ty), mask=rows)
+        else:
+            out = (b * tl.num_programs(1) + h) * tl.num_programs(2) + s
+            tl.store(Mo + out * GP + gi, m, mask=gi < G)
+            tl.store(Lo + out * GP + gi, l, mask=gi < G)
+            tl.store(Ao + (out * GP + gi)[:, None] * DP + di[None, :], acc, mask=rows)
 
     @triton.jit
     def _flash_decode_merge(Mo, Lo, Ao, O, so_b, so_h, S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr,
@@ -314,30 +319,37 @@ if TRITON:
         b, h = tl.program_id(0), tl.program_id(1)
         si, gi, di = tl.arange(0, SP), tl.arange(0, GP), tl.arange(0, DP)
         base = (b * tl.num_programs(1) + h) * S
-        m = tl.load(Mo + (base + si)[:, None] * GP + gi[None, :], mask=(si < S)[:, None], other=float("-inf"))
+        ok = (si < S)[:, None] & (gi < G)[None, :]
+        m = tl.load(Mo + (base + si)[:, None] * GP + gi[None, :], mask=ok, other=float("-inf"))
         w = tl.exp(m - tl.max(m, 0)[None, :])
-        l = tl.load(Lo + (base + si)[:, None] * GP + gi[None, :], mask=(si < S)[:, None], other=0.0)
+        l = tl.load(Lo + (base + si)[:, None] * GP + gi[None, :], mask=ok, other=0.0)
         a = tl.load(Ao + ((base + si)[:, None, None] * GP + gi[None, :, None]) * DP + di[None, None, :],
-                    mask=(si < S)[:, None, None], other=0.0)
+                    mask=ok[:, :, None] & (di < D)[None, None, :], other=0.0)
         o = tl.sum(a * w[:, :, None], 0) / tl.sum(l * w, 0)[:, None]
         tl.store(O + b * so_b + (h * G + gi)[:, None] * so_h + di[None, :], o.to(O.dtype.element_ty),
                  mask=(gi[:, None] < G) & (di[None, :] < D))
 
 
-def _flash_decode(q, k_cache, v_cache, lengths, block: int = 64):
-    """Split-K flash decoding: enough splits of each row's keys to fill the GPU at small batch."""
+def _flash_decode(q, k_cache, v_cache, lengths, block: int | None = None, warps: int = 4, stages: int = 2,
+                  split_factor: int = 2):
+    """Split-K flash decoding: each row's keys cut into enough parts (S) that B * Hkv * S programs fill the GPU
+    split_factor times; a large batch fills it with one part per row and skips the merge (22% faster at B=256
+    than two parts and a merge). Blocks of 8192 / d keys (16 KB of bf16 k). The defaults are the fastest that
+    benchmarks/bench_decode_attn.py found at RL shapes on H200."""
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
     G, GP, DP = H // hkv, max(16, triton.next_power_of_2(H // hkv)), max(16, triton.next_power_of_2(d))
+    block = block or 8192 // DP
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    S = max(1, min(triton.cdiv(L, block), triton.cdiv(4 * sms, B * hkv)))
+    S = max(1, min(triton.cdiv(L, block), triton.cdiv(split_factor * sms, B * hkv)))
     mo, lo = (torch.empty(B, hkv, S, GP, dtype=torch.float32, device=q.device) for _ in range(2))
-    ao = torch.empty(B, hkv, S, GP, DP, dtype=torch.float32, device=q.device)
+    ao = torch.empty(B, hkv, S, GP, DP, dtype=torch.float32, device=q.device) if S > 1 else mo
     out = torch.empty_like(q)
-    _flash_decode_split[(B, hkv, S)](q, k_cache, v_cache, lengths, mo, lo, ao, d ** -0.5, *q.stride()[:2],
-                                     *k_cache.stride()[:3], *v_cache.stride()[:3], G=G, D=d, GP=GP, DP=DP, BLOCK=block,
-                                     num_stages=2)  # 2 beat 3 (the default) by 7-15% at RL shapes on H200
-    _flash_decode_merge[(B, hkv)](mo, lo, ao, out, out.stride(0), out.stride(1), S=S,
-                                  SP=triton.next_power_of_2(S), G=G, D=d, GP=GP, DP=DP)
+    _flash_decode_split[(B, hkv, S)](q, k_cache, v_cache, lengths, mo, lo, ao, out, d ** -0.5, *q.stride()[:2],
+                                     *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2], G=G, D=d, GP=GP,
+                                     DP=DP, BLOCK=block, DIRECT=S == 1, num_warps=warps, num_stages=stages)
+    if S > 1:
+        _flash_decode_merge[(B, hkv)](mo, lo, ao, out, out.stride(0), out.stride(1), S=S,
+                                      SP=triton.next_power_of_2(S), G=G, D=d, GP=GP, DP=DP)
     return out
 
 

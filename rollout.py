@@ -117,10 +117,12 @@ def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
 
 def gumbel(keys: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, N] for the token ids [N] (or [B, N]) at each row's (key, position):
-    -log(-log u), u in (0, 1) a 24-bit hash of (key, position, id)."""
+    -log(-log u), u in (0, 1) from 23 bits of a hash of (key, position, id). 23, not 24: (h + 0.5) is then exact
+    in fp32 and u <= 1 - 2^-24; with 24 bits the top hash rounded to u = 1, g = +inf, and that token won
+    whatever its logit (at a 152k vocabulary, ~1% of draws were uniform over the vocabulary)."""
     row = _fmix32(keys ^ _fmix32((positions * _GOLDEN + 0x2545F491) & _M32))[:, None]
     h = _fmix32(row ^ _fmix32((ids * _GOLDEN + 0x165667B1) & _M32))
-    return -torch.log(-torch.log(((h >> 8).float() + 0.5) * 2.0 ** -24))
+    return -torch.log(-torch.log(((h >> 9).float() + 0.5) * 2.0 ** -23))
 
 
 # ----------------------------------------------------------------------------- vocab-parallel sampling
@@ -147,27 +149,36 @@ if TRITON:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _exp1_noise(row, ids):
+        """E = -log u ~ Exp(1) for token ids at a row's hash (the Gumbel noise is -log E)."""
+        h = _fmix32_tl(row ^ _fmix32_tl(ids * 0x9E3779B1 + 0x165667B1))
+        return -tl.log(((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07)
+
+    @triton.jit
     def _sample_chunk(Z, Keys, Pos, Out, V, stride_z, temperature, vocab_start, limit,
                       GREEDY: tl.constexpr, CHUNK: tl.constexpr):
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
-        and sum of exp of z, its best score, that token's index in the slice and z there."""
+        and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
+        argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs."""
         b, c = tl.program_id(0), tl.program_id(1)
         i = c * CHUNK + tl.arange(0, CHUNK)
         z = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf")).to(tl.float32) / temperature
-        score = z
-        if not GREEDY:
+        m = tl.max(z, 0)
+        p = tl.exp(z - m)
+        if GREEDY:
+            best, j = tl.max(tl.where(i < limit, z, float("-inf")), 0, return_indices=True)
+            at = best
+        else:
             pos = tl.load(Pos + b).to(tl.uint32)
             row = _fmix32_tl(tl.load(Keys + b).to(tl.uint32) ^ _fmix32_tl(pos * 0x9E3779B1 + 0x2545F491))
-            ids = (i + vocab_start).to(tl.uint32)
-            h = _fmix32_tl(row ^ _fmix32_tl(ids * 0x9E3779B1 + 0x165667B1))
-            score = z - tl.log(-tl.log(((h >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08))
-        score = tl.where(i < limit, score, float("-inf"))
-        m = tl.max(z, 0)
-        best, j = tl.max(score, 0, return_indices=True)
-        at = tl.sum(tl.where(tl.arange(0, CHUNK) == j, z, 0.0), 0)
+            e = _exp1_noise(row, (i + vocab_start).to(tl.uint32))
+            _, j = tl.min(tl.where(i < limit, e / p, float("inf")), 0, return_indices=True)
+            at = tl.load(Z + b * stride_z + c * CHUNK + j).to(tl.float32) / temperature
+            e_j = _exp1_noise(row, (c * CHUNK + j + vocab_start).to(tl.uint32))
+            best = tl.where(c * CHUNK + j < limit, at - tl.log(e_j), float("-inf"))
         o = Out + (b * tl.num_programs(1) + c) * 5
         tl.store(o, m)
-        tl.store(o + 1, tl.sum(tl.exp(z - m), 0))
+        tl.store(o + 1, tl.sum(p, 0))
         tl.store(o + 2, best)
         tl.store(o + 3, (c * CHUNK + j).to(tl.float32))
         tl.store(o + 4, at)

@@ -126,6 +126,15 @@ def test_sampling_is_reproducible_and_follows_the_softmax(model):
     assert wrong > limit, (wrong, limit)
 
 
+def test_gumbel_noise_is_finite_at_the_top_of_the_hash_range():
+    """u must stay below 1 in fp32: at u = 1 the noise is +inf and that token wins whatever its logit. Key 0 at
+    position 0 reaches the top hash among the first 2^24 token ids (a 24-bit u rounded it to 1 there)."""
+    import rollout
+    g = rollout.gumbel(torch.tensor([0]), torch.tensor([0]), torch.arange(2 ** 24))
+    assert g.isfinite().all()
+    assert g.max().item() > 16.5  # -log(-log(1 - 2^-24)) = 16.64: the top of the range was reached
+
+
 def test_top_k_and_top_p_masks_are_exact(model):
     prompt = rand_prompts((6,), seed=6)[0]
     T = 1.5
