@@ -1,10 +1,8 @@
 """RL algorithms as pure tensor functions: advantages, losses, KL, DAPO pieces.
 
-Every tensor here is [batch, response_len] (B x T) and comes with a
-`response_mask` that is 1 on real response tokens and 0 on padding. Sequence i
-earns token rewards r_{i,t} (`token_level_rewards`; for outcome rewards only the
-last valid token is nonzero) and its score is s_i = sum_t r_{i,t}. The n samples
-of one prompt share a group id in `index`.
+Every tensor here is [batch, response_len] (B x T), with a `response_mask` that is 1 on real response tokens and 0
+on padding. Sequence i earns token rewards r_{i,t} (`token_level_rewards`; for outcome rewards only the last valid
+token is nonzero) and its score is s_i = sum_t r_{i,t}. The n samples of one prompt share a group id in `index`.
 
 Advantage estimators (`adv_estimator`) turn rewards into per-token advantages A:
   gae      delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},
@@ -14,37 +12,31 @@ Advantage estimators (`adv_estimator`) turn rewards into per-token advantages A:
   rloo     A_i = s_i - mean_{j != i in g} s_j = n/(n-1) (s_i - mean_g s).
   reinforce_plus_plus           A_t = whiten(sum_{k>=t} gamma^{k-t} r_k) over the batch.
   reinforce_plus_plus_baseline  A_i = whiten(s_i - mean_g s) over the batch.
-Group statistics are gathered with index_add/bincount over group ids, never with
-a Python loop over groups.
+Group statistics are gathered with index_add/bincount over group ids, never with a Python loop over groups.
 
 The PPO policy loss per token, with ratio rho = exp(logp - logp_old), is
   L = max(-A rho, -A clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high)),
-and for A < 0 the dual clip caps it: L = min(L, -A clip_ratio_c) (clip_ratio_c > 1),
-so a token whose ratio has exploded cannot produce an unbounded loss. DAPO's
-"clip-higher" is simply clip_ratio_high > clip_ratio_low. The critic loss is
+and for A < 0 the dual clip caps it: L = min(L, -A clip_ratio_c) (clip_ratio_c > 1), so a token whose ratio has
+exploded cannot produce an unbounded loss. DAPO's "clip-higher" is clip_ratio_high > clip_ratio_low. The critic loss is
   L_V = 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
 
-Aggregation (`loss_agg_mode`) turns the B x T loss matrix into a scalar. The
-trainer splits a mini-batch into micro-batches spread over data-parallel ranks
-and adds up their gradients, so each micro-batch must divide its *local sum* by
-the *global* count of the whole mini-batch; then the sum over micro-batches and
-ranks equals the loss computed in one shot, whatever the split. Each micro-batch
-reports `loss_denominator` (its local count), the trainer all-reduces the sum
-into `global_denominator`, and `agg_loss` divides by it:
+Aggregation (`loss_agg_mode`) turns the B x T loss matrix into a scalar. The trainer splits a mini-batch into
+micro-batches spread over data-parallel ranks and adds up their gradients, so each micro-batch must divide its
+*local sum* by the *global* count of the whole mini-batch; then the sum over micro-batches and ranks equals the
+loss computed in one shot, whatever the split. Each micro-batch reports `loss_denominator` (its local count), the
+trainer all-reduces the sum into `global_denominator`, and `agg_loss` divides by it:
   token-mean               sum_{i,t} m L / N_tokens
   seq-mean-token-sum       sum_i (sum_t m L) / N_seqs
   seq-mean-token-mean      sum_i (sum_t m L / sum_t m) / N_seqs
   seq-mean-token-sum-norm  sum_{i,t} m L / (N_seqs * horizon)      (Dr.GRPO)
-where a "sequence" is a row with at least one valid token and `horizon` is a
-constant (the configured max response length), never a per-micro-batch length.
-An entropy bonus is just `agg_loss(entropy, ...)`.
+where a "sequence" is a row with at least one valid token and `horizon` is a constant (the configured max
+response length), never a per-micro-batch length. An entropy bonus is just `agg_loss(entropy, ...)`.
 
-KL to a reference policy is estimated per token from the sampled token only
-(Schulman's estimators, x = logp - logp_ref, tokens drawn from the policy):
+KL to a reference policy is estimated per token from the sampled token only (Schulman's estimators,
+x = logp - logp_ref, tokens drawn from the policy):
   k1 = x,  k2 = x^2 / 2,  k3 = exp(-x) + x - 1.
-k1 and k3 are unbiased for KL(pi || ref); k3 is never negative and has low
-variance. The KL is either subtracted from rewards with a fixed or adaptive
-coefficient (`apply_kl_penalty`) or added to the actor loss."""
+k1 and k3 are unbiased for KL(pi || ref); k3 is never negative and has low variance. The KL is either subtracted
+from rewards with a fixed or adaptive coefficient (`apply_kl_penalty`) or added to the actor loss."""
 from __future__ import annotations
 
 import math
@@ -81,15 +73,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return whitened if shift_mean else whitened + mean
 
 
-def _group_stats(scores: torch.Tensor, index: torch.Tensor):
-    """Per-sample group size, group mean and unbiased group std of `scores`, via index_add on group ids."""
+def _group_stats(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor):
+    """(mask as float, scores s_i, and per sample its group's size, mean and unbiased std), via index_add."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    scores = _masked_sum(token_level_rewards, mask, dim=-1)
     _, gid = torch.unique(index, return_inverse=True)  # arbitrary ids -> 0..G-1
     num_groups = int(gid.max()) + 1
     count = torch.bincount(gid, minlength=num_groups).to(scores.dtype)
     mean = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, scores) / count
     sq = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, (scores - mean[gid]) ** 2)
     std = (sq / (count - 1).clamp_min(1)).sqrt()
-    return count[gid], mean[gid], std[gid]
+    return mask, scores, count[gid], mean[gid], std[gid]
 
 
 # --------------------------------------------------------------------------- advantage estimators
@@ -99,9 +93,8 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
                                  gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}; R_t = A_t + V_t.
 
-    Masked positions are skipped: they neither contribute a TD error nor break the
-    recurrence (V_{t+1} and A_{t+1} are taken from the next *valid* token; 0 past the
-    end). Advantages are then whitened over the valid tokens of the whole batch."""
+    Masked positions are skipped: they neither contribute a TD error nor break the recurrence (V_{t+1} and A_{t+1}
+    come from the next *valid* token; 0 past the end). Advantages are then whitened over the batch's valid tokens."""
     mask = response_mask.to(values.dtype)
     rewards, values = token_level_rewards.to(values.dtype) * mask, values * mask
     next_value = next_adv = torch.zeros_like(values[:, 0])
@@ -122,12 +115,9 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon), std unbiased; Dr.GRPO (no std): A_i = s_i - mean_g.
     A singleton group has no baseline: mean 0 and std 1, so A_i = s_i / (1 + eps) (verl).
     Returns (A, A) broadcast over valid tokens."""
-    mask = response_mask.to(token_level_rewards.dtype)
-    scores = _masked_sum(token_level_rewards, mask, dim=-1)
-    count, mean, std = _group_stats(scores, index)
+    mask, scores, count, mean, std = _group_stats(token_level_rewards, response_mask, index)
     single = count == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
+    mean, std = torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
     adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
     adv = adv.unsqueeze(-1) * mask
     return adv, adv
@@ -139,9 +129,7 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
 
     Convention: a singleton group has no other sample to form a baseline, so its
     advantage is 0 (it teaches nothing). verl instead passes the raw score through."""
-    mask = response_mask.to(token_level_rewards.dtype)
-    scores = _masked_sum(token_level_rewards, mask, dim=-1)
-    count, mean, _ = _group_stats(scores, index)
+    mask, scores, count, mean, _ = _group_stats(token_level_rewards, response_mask, index)
     adv = torch.where(count > 1, count / (count - 1).clamp_min(1) * (scores - mean), torch.zeros_like(scores))
     adv = adv.unsqueeze(-1) * mask
     return adv, adv
@@ -167,9 +155,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
                                                            epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps inside the sqrt.
     A singleton group's mean is 0 (as in GRPO). Returns (A, A)."""
-    mask = response_mask.to(token_level_rewards.dtype)
-    scores = _masked_sum(token_level_rewards, mask, dim=-1)
-    count, mean, _ = _group_stats(scores, index)
+    mask, scores, count, mean, _ = _group_stats(token_level_rewards, response_mask, index)
     centered = (scores - torch.where(count > 1, mean, torch.zeros_like(mean))).unsqueeze(-1) * mask
     adv = masked_whiten(centered, mask, eps=epsilon) * mask
     return adv, adv
@@ -259,18 +245,15 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     vanilla: rho = exp(clamp(logp - logp_old, -20, 20)),
       L = max(-A rho, -A clip(rho, 1-low, 1+high)); for A < 0, L = min(L, -A clip_ratio_c).
     gspo: rho_i = exp(mean_t(logp - logp_old)) per sequence, in the token form
-      rho_{i,t} = sg(rho_i) exp(logp_t - sg(logp_t)), whose value is rho_i and whose
-      gradient is rho_i grad logp_t; then the same two-sided clip, no dual clip. The GSPO
-      paper uses tiny clip ranges (3e-4 / 4e-4) and seq-mean-token-mean.
-    cispo: L = -A sg(clip(rho, 1-low, 1+high)) logp: the IS weight is clipped and
-      detached, so every token keeps a gradient (pass a large clip_ratio_low for
-      CISPO's one-sided clip).
+      rho_{i,t} = sg(rho_i) exp(logp_t - sg(logp_t)), whose value is rho_i and whose gradient is rho_i grad logp_t;
+      then the same two-sided clip, no dual clip. The GSPO paper: tiny clip ranges (3e-4 / 4e-4), seq-mean-token-mean.
+    cispo: L = -A sg(clip(rho, 1-low, 1+high)) logp: the IS weight is clipped and detached, so every token keeps a
+      gradient (pass a large clip_ratio_low for CISPO's one-sided clip).
     `rollout_is_weights` (detached, per token) multiply L before aggregation.
 
-    metrics (0-dim, detached): pg_clipfrac, pg_clipfrac_lower, ppo_kl = mean(logp_old - logp),
-    each as sum(x m) / global_tokens, i.e. this micro-batch's *contribution*: summing
-    them over micro-batches and ranks gives the mini-batch value. global_tokens
-    defaults to global_denominator in token-mean mode and is required otherwise."""
+    metrics (0-dim, detached): pg_clipfrac, pg_clipfrac_lower, ppo_kl = mean(logp_old - logp), each as
+    sum(x m) / global_tokens, i.e. this micro-batch's *contribution*: summing them over micro-batches and ranks gives
+    the mini-batch value. global_tokens defaults to global_denominator in token-mean mode and is required otherwise."""
     metric_denom = _metric_tokens(loss_agg_mode, global_denominator, global_tokens)
     log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -362,8 +345,7 @@ class FixedKLController:
 class AdaptiveKLController(FixedKLController):
     """Ziegler et al. (2019): beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n_steps / horizon).
 
-    beta grows when the measured KL overshoots the target and shrinks when it undershoots,
-    by at most 20% per `horizon` samples."""
+    beta grows when the KL overshoots the target, shrinks when it undershoots, by at most 20% per `horizon` samples."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         self.value, self.target, self.horizon = float(init_kl_coef), float(target_kl), int(horizon)
@@ -378,9 +360,8 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tenso
                      kl_penalty: str = "kl") -> tuple[torch.Tensor, dict[str, float]]:
     """KL in reward: r_t = score_t - beta kl_t; then update beta with the batch KL.
 
-    The batch KL is mean_i (mean_t kl_{i,t}), the mean per-sequence KL, and the controller
-    steps by n_steps = batch size. Call it on the full batch (identical on every rank) so
-    the controllers of all ranks stay in lockstep."""
+    The batch KL is mean_i (mean_t kl_{i,t}), the mean per-sequence KL, and the controller steps by n_steps = batch
+    size. Call it on the full batch (identical on every rank) so the controllers of all ranks stay in lockstep."""
     mask = response_mask.to(token_level_scores.dtype)
     kld = _kl_estimate(old_log_prob, ref_log_prob, kl_penalty) * mask
     beta = kl_ctrl.value
@@ -426,13 +407,10 @@ def compute_rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: tor
     sequence: w = min(exp(sum_t (logp_old_t - logp_rollout_t)), threshold), broadcast over tokens.
     Detached; 0 on padding."""
     mask = response_mask.to(old_log_prob.dtype)
-    log_ratio = (old_log_prob - rollout_log_prob).detach()
-    if level == "token":
-        log_w = log_ratio
-    elif level == "sequence":
-        log_w = _masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
-    else:
+    if level not in ("token", "sequence"):
         raise ValueError(f"unknown rollout IS level {level!r}; valid: token, sequence")
+    log_ratio = (old_log_prob - rollout_log_prob).detach()
+    log_w = log_ratio if level == "token" else _masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
     w = torch.clamp(torch.exp(torch.clamp(log_w, -20.0, 20.0)), max=threshold)
     return torch.where(mask.bool(), w, torch.zeros_like(w)) * mask
 
@@ -443,8 +421,6 @@ def rollout_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch
     valid = response_mask.bool()
     diff = (torch.exp(old_log_prob) - torch.exp(rollout_log_prob)).abs()[valid].double()
     diff = diff if diff.numel() else torch.zeros(1, dtype=torch.float64)  # no valid token: report zeros
-    return {
-        "training/rollout_probs_diff_mean": float(diff.mean()),
-        "training/rollout_probs_diff_max": float(diff.max()),
-        "training/rollout_probs_diff_std": float(diff.std(unbiased=False)),
-    }
+    return {"training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_max": float(diff.max()),
+            "training/rollout_probs_diff_std": float(diff.std(unbiased=False))}

@@ -263,8 +263,7 @@ class Resharder:
             self._held.append(released)
             if m == 1:  # tp_g > tp = 1 and pp == 1: narrow, no communication
                 for e in mine:
-                    p = own[e.train]
-                    data = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
+                    data = _sub(own[e.train].detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
                     self._account(data.nbytes if e.parts and len(e.parts) > 1 else 0)  # fused: a concatenated copy
                     self._set(e.gen, data)
                 continue

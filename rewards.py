@@ -1,30 +1,25 @@
 """Rule-based rewards: turn a generated response into a number.
 
-RL post-training on reasoning tasks needs no learned reward model: the answer is
-pulled out of the response with a fixed rule and compared with the ground truth.
-Every scorer has verl's signature
+RL post-training on reasoning tasks needs no learned reward model: the answer is pulled out of the response with a
+fixed rule and compared with the ground truth. Every scorer has verl's signature
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
-where `data_source` (a column of the dataset) picks the rule, and a dict result
-carries "score" plus extra per-sample numbers to log (e.g. "acc").
+where `data_source` (a column of the dataset) picks the rule, and a dict result carries "score" plus extra
+per-sample numbers to log (e.g. "acc").
 
 The rules:
-  openai/gsm8k   strict: the last "#### <number>" in the last 300 characters of the
-                 response; flexible: the last number anywhere. Commas and "$" are
-                 dropped, then the strings are compared exactly, as verl does ("72.0"
-                 does not match "72"; the reference answers are all integers).
-  MATH           the last \\boxed{...} (or \\fbox{...}, braces balanced) is normalized
-                 (\\dfrac -> \\frac, \\frac12 -> \\frac{1}{2}, units, \\left/\\right, ...) and
-                 compared with the normalized ground truth; two plain numbers or
-                 simple fractions are compared exactly as rationals (0.5 == \\frac{1}{2}).
-  math_dapo      DAPO's rule: the text after the last "Answer:" in the last 300
-                 characters, +1 if equivalent to the ground truth else -1, returned as
-                 {"score", "acc", "pred"}. Also used for "aime*" data sources.
-  synthetic/*    toy tasks from data.py: the stripped response must start with the
-                 ground truth ("add" also requires that no digit follows).
+  openai/gsm8k   strict: the last "#### <number>" in the last 300 characters of the response; flexible: the last
+                 number anywhere. Commas and "$" are dropped, then the strings are compared exactly, as verl does
+                 ("72.0" does not match "72"; the reference answers are all integers).
+  MATH           the last \\boxed{...} (or \\fbox{...}, braces balanced) is normalized (\\dfrac -> \\frac,
+                 \\frac12 -> \\frac{1}{2}, units, \\left/\\right, ...) and compared with the normalized ground truth;
+                 two plain numbers or simple fractions are compared exactly as rationals (0.5 == \\frac{1}{2}).
+  math_dapo      DAPO's rule: the text after the last "Answer:" in the last 300 characters, +1 if equivalent to the
+                 ground truth else -1, returned as {"score", "acc", "pred"}. Also used for "aime*" data sources.
+  synthetic/*    toy tasks from data.py: the stripped response must start with the ground truth ("add" also
+                 requires that no digit follows).
 
-`load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same
-signature, and `score_batch` runs a scorer over a batch without letting one bad
-sample crash the run."""
+`load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same signature, and `score_batch`
+runs a scorer over a batch without letting one bad sample crash the run."""
 from __future__ import annotations
 
 import importlib.util
@@ -226,10 +221,9 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
                 extra_infos: list[dict | None] | None) -> tuple[list[float], dict[str, list], int]:
     """Score every sample; returns (scores, extras, num_errors).
 
-    A dict result gives its "score"; its other numeric keys (bools count) go to `extras`,
-    one list per key aligned with the batch (None where a sample lacked the key). A scorer
-    that raises is logged and scores 0.0. A result that is neither a number nor a dict
-    with "score" is a bug in the scorer and raises TypeError."""
+    A dict result gives its "score"; its other numeric keys (bools count) go to `extras`, one list per key aligned with
+    the batch (None where a sample lacked the key). A scorer that raises is logged and scores 0.0. A result that is
+    neither a number nor a dict with "score" is a bug in the scorer and raises TypeError."""
     n = len(solution_strs)
     extra_infos = extra_infos if extra_infos is not None else [None] * n
     scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, the numeric extras of its dict result
