@@ -248,15 +248,18 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
     return out.squeeze(0).transpose(0, 1)
 
 
-def decode_attention(q, k_cache, v_cache, lengths):
-    """One new query per cache row. q [B, H, d]; caches [B, Hkv, L, d]; row b attends to its first lengths[b]
-    positions. bf16/fp16 on CUDA with Triton: a split-K flash-decoding kernel that reads only those positions.
-    Elsewhere two batched matmuls over the whole row with a length mask (the (row, kv head) batch folds into
-    one strided bmm even for a prefix [:, :, :L] of longer rows). Both are CUDA-graph friendly: static shapes,
-    no host sync."""
+def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths):
+    """One new token per cache row. q [B, H, d] and its k_new, v_new [B, Hkv, d]; caches [B, Hkv, L, d]. Stores
+    k_new, v_new at position lengths[b] - 1 of row b, then row b attends to its first lengths[b] positions.
+    bf16/fp16 on CUDA with Triton: a split-K flash-decoding kernel that reads only those positions and does the
+    store itself (one launch less per layer). Elsewhere two batched matmuls over the whole row with a length
+    mask (the (row, kv head) batch folds into one strided bmm even for a prefix [:, :, :L] of longer rows). Both
+    are CUDA-graph friendly: static shapes, no host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return _flash_decode(q, k_cache, v_cache, lengths)
+        return _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths)
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
+    rows, last = torch.arange(B, device=q.device), lengths.long() - 1
+    k_cache[rows, :, last], v_cache[rows, :, last] = k_new, v_new
     qg = q.view(B, hkv, H // hkv, d)
     scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d ** -0.5  # [B, hkv, g, L]
     valid = torch.arange(L, device=q.device)[None, :] < lengths[:, None]
@@ -274,13 +277,14 @@ except ImportError:
 
 if TRITON:
     @triton.jit
-    def _flash_decode_split(Q, K, V, Lens, Mo, Lo, Ao, O, scale, sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                            so_b, so_h, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
-                            BLOCK: tl.constexpr, DIRECT: tl.constexpr):
+    def _flash_decode_split(Q, Kn, Vn, K, V, Lens, Mo, Lo, Ao, O, scale, sq_b, sq_h, sn_b, sn_h, sk_b, sk_h, sk_l,
+                            sv_b, sv_h, sv_l, so_b, so_h, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
+                            DP: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
         """Program (row b, kv head h, split s): the G query heads of h against the s-th of S equal,
         BLOCK-aligned parts of row b's keys; writes the running max, sum and unnormalised output of the
         part (or, with one part per row, DIRECT, the normalised output). The parts follow the row's length,
-        read at run time, so one CUDA graph serves every length."""
+        read at run time, so one CUDA graph serves every length. The part holding the new position n - 1
+        first stores the new k, v there; the barrier makes them visible to the whole program's loads."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(Lens + b)
         split = tl.cdiv(tl.cdiv(n, tl.num_programs(2)), BLOCK) * BLOCK
@@ -291,6 +295,12 @@ if TRITON:
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
         end = tl.minimum((s + 1) * split, n)
+        if (s * split < n) & (n <= end):
+            tl.store(K + b * sk_b + h * sk_h + (n - 1) * sk_l + di, tl.load(Kn + b * sn_b + h * sn_h + di,
+                                                                              mask=di < D), mask=di < D)
+            tl.store(V + b * sv_b + h * sv_h + (n - 1) * sv_l + di, tl.load(Vn + b * sn_b + h * sn_h + di,
+                                                                              mask=di < D), mask=di < D)
+        tl.debug_barrier()
         for n0 in range(s * split, end, BLOCK):
             ni = n0 + tl.arange(0, BLOCK)
             ok = (ni[:, None] < end) & (di[None, :] < D)
@@ -330,8 +340,8 @@ if TRITON:
                  mask=(gi[:, None] < G) & (di[None, :] < D))
 
 
-def _flash_decode(q, k_cache, v_cache, lengths, block: int | None = None, warps: int = 4, stages: int = 2,
-                  split_factor: int = 2):
+def _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, block: int | None = None, warps: int = 4,
+                  stages: int = 2, split_factor: int = 2):
     """Split-K flash decoding: each row's keys cut into enough parts (S) that B * Hkv * S programs fill the GPU
     split_factor times; a large batch fills it with one part per row and skips the merge (22% faster at B=256
     than two parts and a merge). Blocks of 8192 / d keys (16 KB of bf16 k). The defaults are the fastest that
@@ -344,9 +354,11 @@ def _flash_decode(q, k_cache, v_cache, lengths, block: int | None = None, warps:
     mo, lo = (torch.empty(B, hkv, S, GP, dtype=torch.float32, device=q.device) for _ in range(2))
     ao = torch.empty(B, hkv, S, GP, DP, dtype=torch.float32, device=q.device) if S > 1 else mo
     out = torch.empty_like(q)
-    _flash_decode_split[(B, hkv, S)](q, k_cache, v_cache, lengths, mo, lo, ao, out, d ** -0.5, *q.stride()[:2],
-                                     *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2], G=G, D=d, GP=GP,
-                                     DP=DP, BLOCK=block, DIRECT=S == 1, num_warps=warps, num_stages=stages)
+    assert k_new.stride() == v_new.stride(), "k_new and v_new share strides (views of one qkv tensor)"
+    _flash_decode_split[(B, hkv, S)](q, k_new, v_new, k_cache, v_cache, lengths, mo, lo, ao, out, d ** -0.5,
+                                     *q.stride()[:2], *k_new.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                                     *out.stride()[:2], G=G, D=d, GP=GP, DP=DP, BLOCK=block, DIRECT=S == 1,
+                                     num_warps=warps, num_stages=stages)
     if S > 1:
         _flash_decode_merge[(B, hkv)](mo, lo, ao, out, out.stride(0), out.stride(1), S=S,
                                       SP=triton.next_power_of_2(S), G=G, D=d, GP=GP, DP=DP)
@@ -417,14 +429,13 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
         qkv = fused(rope_qkv, qkv)(qkv, cos, sin, self.h, self.hkv, *norms)
         q, k, v = qkv.split([self.h, self.hkv, self.hkv], dim=1)
-        c, decode = ctx.cache, ctx.lengths is not None
-        if c is not None:  # decode: token b is the next token of cache row b; prefill: rows are `slots`
-            c.write(self.layer_idx, torch.arange(T, device=x.device) if decode else ctx.slots, ctx.positions,
-                    qkv[:, self.h:])
-        if decode:
+        c = ctx.cache
+        if ctx.lengths is not None:  # decode: token b is the next token of cache row b (stored by the attention)
             L = ctx.max_seqlen or c.max_len  # attend over the first L positions only (L >= every length)
-            o = decode_attention(q, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths)
+            o = decode_attention(q, k, v, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths)
         else:
+            if c is not None:  # prefill: the prompts' k/v into their cache rows `slots`
+                c.write(self.layer_idx, ctx.slots, ctx.positions, qkv[:, self.h:])
             o = varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.backend, self.window)
         return self.o_proj(o.reshape(T, self.h * self.hd))
 

@@ -673,7 +673,8 @@ class ShardedAdamW:
         t = torch.full((), float(self.step_count), device=self.master.device)
         for decay in (True, False):
             if runs := [(a, b, c) for a, b, c, d, _ in self.segments if d == decay]:
-                w, avg, sq = ([x[c:c + b - a] for a, b, c in runs] for x in (self.master, self.exp_avg, self.exp_avg_sq))
+                w, avg, sq = ([x[c:c + b - a] for a, b, c in runs] for x in (self.master, self.exp_avg,
+                                                                              self.exp_avg_sq))
                 torch._fused_adamw_(w, [self.grad_buffer[a:b] for a, b, _ in runs], avg, sq, [], [t] * len(runs),
                                     lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, amsgrad=False,
                                     weight_decay=self.weight_decay if decay else 0.0, maximize=False)

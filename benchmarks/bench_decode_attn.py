@@ -35,20 +35,20 @@ def main():
     rows = []
     for name, (B, H, hkv, d) in SHAPES.items():
         maxlen = 768
-        q = torch.randn(B, H, d, device="cuda", dtype=torch.bfloat16)
+        q, kn, vn = torch.randn(B, H + 2 * hkv, d, device="cuda", dtype=torch.bfloat16).split([H, hkv, hkv], dim=1)
         k = torch.randn(B, hkv, maxlen, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, hkv, maxlen, d, device="cuda", dtype=torch.bfloat16)
         lengths = torch.randint(256, 769, (B,), device="cuda", dtype=torch.int32)
         kv_bytes = int(lengths.sum()) * hkv * d * 2 * 2
-        ref = model.decode_attention(q.float(), k.float(), v.float(), lengths)
-        base = timeit(lambda: model._flash_decode(q, k, v, lengths))
+        ref = model.decode_attention(q.float(), kn.float(), vn.float(), k.float(), v.float(), lengths)
+        base = timeit(lambda: model._flash_decode(q, kn, vn, k, v, lengths))
         rows.append(f"{name}: current {base:7.1f} us  {kv_bytes / base / 1e3:6.0f} GB/s  (KV {kv_bytes / 2**20:.0f} MiB)")
         best = []
         for block, warps, stages, sf in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4, 8)):
             try:
-                out = model._flash_decode(q, k, v, lengths, block, warps, stages, sf)
+                out = model._flash_decode(q, kn, vn, k, v, lengths, block, warps, stages, sf)
                 err = (out.float() - ref).abs().max().item()
-                t = timeit(lambda: model._flash_decode(q, k, v, lengths, block, warps, stages, sf))
+                t = timeit(lambda: model._flash_decode(q, kn, vn, k, v, lengths, block, warps, stages, sf))
             except Exception:  # noqa: BLE001 - a config that does not compile (shared memory)
                 continue
             best.append((t, block, warps, stages, sf, err))
