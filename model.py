@@ -249,12 +249,11 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths):
-    """One new token per cache row. q [B, H, d] and its k_new, v_new [B, Hkv, d]; caches [B, Hkv, L, d]. Stores
-    k_new, v_new at position lengths[b] - 1 of row b, then row b attends to its first lengths[b] positions.
-    bf16/fp16 on CUDA with Triton: a split-K flash-decoding kernel that reads only those positions and does the
-    store itself (one launch less per layer). Elsewhere two batched matmuls over the whole row with a length
-    mask (the (row, kv head) batch folds into one strided bmm even for a prefix [:, :, :L] of longer rows). Both
-    are CUDA-graph friendly: static shapes, no host sync."""
+    """One new token per cache row: q [B, H, d], its k_new, v_new [B, Hkv, d]; caches [B, Hkv, L, d]. Stores k_new,
+    v_new at position lengths[b] - 1 of row b, which then attends to its first lengths[b] positions. bf16 on CUDA:
+    a split-K flash-decoding kernel that reads only those positions and also does the store (one launch less per
+    layer). Elsewhere two batched matmuls over the whole row with a length mask (the (row, kv head) batch folds
+    into one strided bmm even for a prefix [:, :, :L] of longer rows). CUDA-graph friendly: no host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths)
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
@@ -282,9 +281,9 @@ if TRITON:
                             DP: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
         """Program (row b, kv head h, split s): the G query heads of h against the s-th of S equal,
         BLOCK-aligned parts of row b's keys; writes the running max, sum and unnormalised output of the
-        part (or, with one part per row, DIRECT, the normalised output). The parts follow the row's length,
-        read at run time, so one CUDA graph serves every length. The part holding the new position n - 1
-        first stores the new k, v there; the barrier makes them visible to the whole program's loads."""
+        part (DIRECT, one part per row: the normalised output). The parts follow the row's length, read at run
+        time, so one CUDA graph serves every length. The part holding the new position n - 1 first stores the
+        new k, v there; the barrier makes them visible to the whole program's loads."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(Lens + b)
         split = tl.cdiv(tl.cdiv(n, tl.num_programs(2)), BLOCK) * BLOCK
@@ -296,10 +295,9 @@ if TRITON:
         acc = tl.zeros([GP, DP], tl.float32)
         end = tl.minimum((s + 1) * split, n)
         if (s * split < n) & (n <= end):
-            tl.store(K + b * sk_b + h * sk_h + (n - 1) * sk_l + di, tl.load(Kn + b * sn_b + h * sn_h + di,
-                                                                              mask=di < D), mask=di < D)
-            tl.store(V + b * sv_b + h * sv_h + (n - 1) * sv_l + di, tl.load(Vn + b * sn_b + h * sn_h + di,
-                                                                              mask=di < D), mask=di < D)
+            o = b * sn_b + h * sn_h + di
+            tl.store(K + b * sk_b + h * sk_h + (n - 1) * sk_l + di, tl.load(Kn + o, mask=di < D), mask=di < D)
+            tl.store(V + b * sv_b + h * sv_h + (n - 1) * sv_l + di, tl.load(Vn + o, mask=di < D), mask=di < D)
         tl.debug_barrier()
         for n0 in range(s * split, end, BLOCK):
             ni = n0 + tl.arange(0, BLOCK)
@@ -342,10 +340,9 @@ if TRITON:
 
 def _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, block: int | None = None, warps: int = 4,
                   stages: int = 2, split_factor: int = 2):
-    """Split-K flash decoding: each row's keys cut into enough parts (S) that B * Hkv * S programs fill the GPU
-    split_factor times; a large batch fills it with one part per row and skips the merge (22% faster at B=256
-    than two parts and a merge). Blocks of 8192 / d keys (16 KB of bf16 k). The defaults are the fastest that
-    benchmarks/bench_decode_attn.py found at RL shapes on H200."""
+    """Split-K flash decoding: each row's keys in enough parts (S) that B * Hkv * S programs fill the GPU
+    split_factor times; a large batch fills it with one part per row and needs no merge (22% faster at B=256).
+    Blocks of 8192 / d keys (16 KB of k). Defaults: the fastest of benchmarks/bench_decode_attn.py on H200."""
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
     G, GP, DP = H // hkv, max(16, triton.next_power_of_2(H // hkv)), max(16, triton.next_power_of_2(d))
     block = block or 8192 // DP

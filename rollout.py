@@ -117,9 +117,8 @@ def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
 
 def gumbel(keys: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, N] for the token ids [N] (or [B, N]) at each row's (key, position):
-    -log(-log u), u in (0, 1) from 23 bits of a hash of (key, position, id). 23, not 24: (h + 0.5) is then exact
-    in fp32 and u <= 1 - 2^-24; with 24 bits the top hash rounded to u = 1, g = +inf, and that token won
-    whatever its logit (at a 152k vocabulary, ~1% of draws were uniform over the vocabulary)."""
+    -log(-log u), u in (0, 1) from 23 bits of a hash of (key, position, id): then h + 0.5 is exact in fp32 and
+    u <= 1 - 2^-24 (24 bits rounded the top hash to u = 1: g = +inf won whatever the logit, ~1% of draws at 152k)."""
     row = _fmix32(keys ^ _fmix32((positions * _GOLDEN + 0x2545F491) & _M32))[:, None]
     h = _fmix32(row ^ _fmix32((ids * _GOLDEN + 0x165667B1) & _M32))
     return -torch.log(-torch.log(((h >> 9).float() + 0.5) * 2.0 ** -23))

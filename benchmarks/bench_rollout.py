@@ -147,8 +147,8 @@ def run(name: str, args) -> list[str]:
     row = (f"{name:5s} B={B:3d} seqs={len(prompts):3d} tok/s {total / dt:7.0f} "
            f"(decode only {(total - len(prompts)) / decode:7.0f})  HBM bound {sum(outs) / bound:7.0f} tok/s -> "
            f"{bound / dt * 100:4.1f}% (decode only {bound / decode * 100:4.1f}%)"
-           f"  prefill {t_prefill * 1e3:.0f} ms ({2 * cfg.num_params(with_embedding=False) * sum(ins) / t_prefill / 989e12:.0%}"
-           f" MFU)  transformers tok/s {hf}  graphs {gen.stats['graphs_captured']}  free() leaves {leaked} B")
+           f"  prefill {t_prefill * 1e3:.0f} ms ({2 * cfg.num_params(False) * sum(ins) / t_prefill / 989e12:.0%} MFU)"
+           f"  transformers tok/s {hf}  graphs {gen.stats['graphs_captured']}  free() leaves {leaked} B")
     print(row, gen.stats, prof, flush=True)
     del model, gen
     gc.collect()
