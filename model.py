@@ -381,8 +381,8 @@ class AttnContext:
 
 
 class KVCache:
-    """One static buffer kv [layers, rows, 2, Hkv_local, max_len, d] (k then v): row b holds one sequence,
-    and a step's k and v go in with one indexed write. `k`, `v` are views [layers, rows, Hkv_local, max_len, d]."""
+    """One static buffer kv [layers, rows, 2, Hkv_local, max_len, d] (k then v): row b holds one sequence; a prefill's
+    k and v go in with one indexed write, a decode step's inside decode_attention. k, v: views without the 2 axis."""
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         self.kv = torch.zeros(num_layers, rows, 2, kv_heads, max_len, head_dim, dtype=dtype, device=device)
