@@ -1,46 +1,44 @@
 """Generation for RL: a KV-cached, continuously batched sampler that returns token log-probs.
 
-**The cache and its rows.** The KV cache is one static block [layers, rows, max_len, kv_heads,
-head_dim] (model.KVCache), sized once from a token budget: `rows = min(max_rows, budget // max_len)`.
-A row is a slot that sequences take turns in (nothing is paged): its prompt's k/v, then one
-position per new token.
+**The cache and its rows.** The KV cache is one static block [layers, rows, 2 (k, v), kv_heads, max_len, head_dim]
+(model.KVCache), sized once from a token budget: `rows = min(max_rows, budget // max_len)`. A row is a slot that
+sequences take turns in (nothing is paged): its prompt's k/v, then one position per new token.
 
     prefill   packed prompts of the newly admitted sequences, one forward  ->  k/v into their rows
     decode    one token for every row 0..B-1, one forward per step         ->  k/v at position len-1
 
-A prompt sampled n times is prefilled once, into the first of its rows; `KVCache.copy_rows`
-copies its k/v to the other n-1 rows, and each sample draws its first token from the shared
-last-position logits.
+A prompt sampled n times is prefilled once, into the first of its rows; `KVCache.copy_rows` copies its k/v to the
+other n-1 rows, and each sample draws its first token from the shared last-position logits.
 
-**Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one
-small copy of the per-row `done` flags and token counts); in between, the next tokens, row lengths,
-outputs and the stop test (a stop token, or max_new_tokens) stay on the device: no host sync per
-token. At a check, finished rows are read out and refilled from the waiting prompts, so a long tail
-does not idle the batch (a row done mid-window decodes a few tokens nobody reads). When nothing is
-waiting and few rows are live, they move to the front (k/v copied) so decode runs over fewer rows.
+**Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one small copy of the
+per-row `done` flags and token counts); in between, the next tokens, row lengths, outputs and the stop test (a stop
+token, or max_new_tokens) stay on the device: no host sync per token. At a check, finished rows are read out and
+refilled from the waiting prompts, so a long tail does not idle the batch (a row done mid-window decodes a few tokens
+nobody reads). When nothing is waiting and few rows are live, they move to the front (k/v copied) so decode runs over
+fewer rows.
 
-A decode step runs rows 0..B-1, each attending to its own length. On CUDA each step (forward,
-sampling, bookkeeping) is captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling
-settings) over static buffers, after one eager step that also warms up cuBLAS and NCCL; the attention
-kernel splits each row's keys by the row's length at run time, so no graph depends on the lengths.
-On CPU steps are eager and attend over the first L positions, L covering every row until the next check.
+A decode step runs rows 0..B-1, each attending to its own length. On CUDA each step (forward, sampling, bookkeeping)
+is captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling settings) over static buffers, after
+one eager step that also warms up cuBLAS and NCCL; the attention kernel splits each row's keys by the row's length at
+run time, so no graph depends on the lengths. On CPU steps are eager and attend over the first L positions, L
+covering every row until the next check.
 
-**Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1)
-draws, argmax_i (z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no
-running sum over the vocabulary, only a max, the same reduction as greedy decoding (which is g = 0). The
-noise is counter-based: g for token id i at position t of sample (p, j) is a hash of (seed, p, j, t, i),
-so a draw depends on neither the batch composition, the row, the cache size nor tp, and TP ranks agree
-without talking. Each rank reduces its slice of the logits [B, V/tp] to (best z + g, its id, z there,
-logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner and gives the log-prob.
+**Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1) draws, argmax_i
+(z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no running sum over the
+vocabulary, only a max, the same reduction as greedy decoding (which is g = 0). The noise is counter-based: g for
+token id i at position t of sample (p, j) is a hash of (seed, p, j, t, i), so a draw depends on neither the batch
+composition, the row, the cache size nor tp, and TP ranks agree without talking. Each rank reduces its slice of the
+logits [B, V/tp] to (best z + g, its id, z there, logsumexp z) in one fused pass; one all-gather of those [B, 4]
+picks the winner and gives the log-prob.
 
-* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of
-  those candidates lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities
-  (as transformers does) and take the Gumbel-max among the survivors. With top-p alone the candidates
-  are whole slices (for tp > 1 a vocabulary gather): pair top_p with a top_k to bound it.
+* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of those
+  candidates lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (as transformers
+  does) and take the Gumbel-max among the survivors. With top-p alone the candidates are whole slices (for tp > 1 a
+  vocabulary gather): pair top_p with a top_k to bound it.
 
-The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary:
-the distribution the trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled
-from (that mismatch is what rollout-correction weights measure). Greedy returns log_softmax at T=1."""
+The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary: the distribution the
+trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled from (that mismatch is what
+rollout-correction weights measure). Greedy returns log_softmax at T=1."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from model import TRITON, AttnContext, KVCache, Transformer, load_model, read_json
-from parallel import all_gather_stack
+from parallel import all_gather_stack, fused
 
 if TRITON:
     import triton
@@ -192,6 +190,10 @@ def _sample_stats_gpu(logits, keys, positions, temperature: float, vocab_start: 
     _sample_chunk[(B, out.shape[1])](logits, keys, positions, out, V, logits.stride(0), float(temperature or 1.0),
                                      vocab_start, V if limit is None else limit, GREEDY=temperature == 0,
                                      CHUNK=chunk)
+    return fused(_combine_chunks, out)(out, vocab_start)
+
+
+def _combine_chunks(out: torch.Tensor, vocab_start: int) -> torch.Tensor:
     m = out[..., 0].amax(-1, keepdim=True)
     lse = m[:, 0] + (out[..., 1] * (out[..., 0] - m).exp()).sum(-1).log()
     pick = out.gather(1, out[..., 2].argmax(-1)[:, None, None].expand(-1, 1, 5))[:, 0]
@@ -203,7 +205,10 @@ def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Ten
     """Exact draw from softmax(logits / T) by Gumbel-max (temperature 0: argmax) over the split vocabulary;
     returns (tokens [B], their log_softmax(logits / T), T = 1 when greedy)."""
     stats = _sample_stats_gpu if TRITON and logits.is_cuda else _sample_stats
-    g = all_gather_stack(stats(logits, keys, positions, temperature, vocab_start, limit), group)  # [tp, B, 4]
+    s = stats(logits, keys, positions, temperature, vocab_start, limit)
+    if group is None:
+        return s[:, 1].long(), s[:, 2] - s[:, 3]
+    g = all_gather_stack(s, group)  # [tp, B, 4]
     win = g[..., 0].argmax(0)  # the first maximum: lowest rank, so lowest id on ties
     pick = g.gather(0, win[None, :, None].expand(1, -1, 4))[0]
     return pick[:, 1].long(), pick[:, 2] - torch.logsumexp(g[..., 3], 0)
@@ -341,14 +346,8 @@ class Generator:
         tok, lengths, ngen, done = self.tok[:B], self.lengths[:B], self.ngen[:B], self.done[:B]
         hidden = self.model(tok, lengths.long() - 1, AttnContext(cache=self.cache, lengths=lengths, max_seqlen=L))
         nxt, lp = self._sample(self.model.logits(hidden), self.keys[:B], lengths.long())
-        # a done row writes into its column ngen (past its tokens) and stops counting
-        self.out_tok[:B].scatter_(1, ngen[:, None], nxt[:, None])
-        self.out_lp[:B].scatter_(1, ngen[:, None], lp[:, None])
-        live = ~done
-        ngen.add_(live.long())
-        done.logical_or_(live & ((nxt[:, None] == self.stop_ids).any(-1) | (ngen >= self.max_new[:B])))
-        tok.copy_(nxt)
-        lengths.add_(1).clamp_(max=self.cache.max_len)  # done rows keep stepping in place
+        fused(_advance, nxt)(nxt, lp, self.out_tok[:B], self.out_lp[:B], tok, lengths, ngen, done, self.stop_ids,
+                             self.max_new[:B], self.cache.max_len)
 
     def _step(self, B: int, L: int) -> None:
         if not self.use_graphs:
@@ -507,6 +506,16 @@ class Generator:
             owner[b], owner[a] = owner[a], None
         self.stats["compactions"] += 1
         return list(range(len(live)))  # the holes below len(live) were exactly as many as the live rows above
+
+
+def _advance(nxt, lp, out_tok, out_lp, tok, lengths, ngen, done, stop_ids, max_new, max_len: int) -> None:
+    """Record a decode step's draws, advance the rows (fused on GPU); a done row writes past its tokens, uncounted."""
+    out_tok.scatter_(1, ngen[:, None], nxt[:, None])
+    out_lp.scatter_(1, ngen[:, None], lp[:, None])
+    ngen.add_(~done)
+    done.logical_or_((nxt[:, None] == stop_ids).any(-1) | (ngen >= max_new))
+    tok.copy_(nxt)
+    lengths.add_(1).clamp_(max=max_len)
 
 
 @functools.cache
