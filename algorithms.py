@@ -343,9 +343,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController(FixedKLController):
-    """Ziegler et al. (2019): beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n_steps / horizon).
-
-    beta grows when the KL overshoots the target, shrinks when it undershoots, by at most 20% per `horizon` samples."""
+    """Ziegler et al. (2019): beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n_steps / horizon). beta grows when
+    the KL overshoots the target, shrinks when it undershoots, by at most 20% per `horizon` samples."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         self.value, self.target, self.horizon = float(init_kl_coef), float(target_kl), int(horizon)

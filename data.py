@@ -411,9 +411,8 @@ def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int, dp_
 
 
 def packed_inputs(sequences: list[list[int]] | list[torch.Tensor]) -> dict:
-    """Concatenate sequences without padding: the varlen-attention inputs model.py consumes.
-
-    position_ids restart at 0 for each sequence; cu_seqlens[b]:cu_seqlens[b+1] is sequence b."""
+    """Concatenate sequences without padding: the varlen-attention inputs model.py consumes. position_ids restart at 0
+    for each sequence; cu_seqlens[b]:cu_seqlens[b+1] is sequence b."""
     if len(sequences) == 0:
         raise ValueError("packed_inputs needs at least one sequence")
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]

@@ -389,10 +389,6 @@ class KVCache:
         self.k, self.v = self.kv[:, :, 0], self.kv[:, :, 1]
         self.rows, self.max_len = rows, max_len
 
-    def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv [T, 2 Hkv, d] of T tokens into (row, position) pairs."""
-        self.kv[layer, rows, :, :, positions] = kv.view(kv.shape[0], 2, -1, kv.shape[-1])
-
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Share a prefilled prompt: copy the first `length` positions of rows src into rows dst."""
         self.kv[:, dst, :, :, :length] = self.kv[:, src, :, :, :length]
@@ -431,8 +427,8 @@ class Attention(nn.Module):
             L = ctx.max_seqlen or c.max_len  # attend over the first L positions only (L >= every length)
             o = decode_attention(q, k, v, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths)
         else:
-            if c is not None:  # prefill: the prompts' k/v into their cache rows `slots`
-                c.write(self.layer_idx, ctx.slots, ctx.positions, qkv[:, self.h:])
+            if c is not None:  # prefill: the prompts' k/v into their cache rows `slots`, at their positions
+                c.kv[self.layer_idx, ctx.slots, :, :, ctx.positions] = qkv[:, self.h:].view(T, 2, self.hkv, self.hd)
             o = varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.backend, self.window)
         return self.o_proj(o.reshape(T, self.h * self.hd))
 
@@ -555,9 +551,7 @@ class Transformer(nn.Module):
         own generator, then sliced like a checkpoint would be."""
         def draw(name, j, hf, shape):
             g = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, hf)) * 7919 + j)
-            if len(shape) > 1:
-                return torch.randn(shape, generator=g) * std
-            return torch.ones(shape) if "norm" in hf else torch.zeros(shape)
+            return torch.randn(shape, generator=g) * std if len(shape) > 1 else torch.full(shape, float("norm" in hf))
         self._fill(self.named_parameters(), draw)
 
     def load_hf(self, path: str) -> None:

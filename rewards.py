@@ -190,9 +190,8 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str,
 
 
 def load_reward_fn(spec: str | None) -> Callable:
-    """None -> compute_score; "path/to/file.py:function" -> that function, checked for verl's signature.
-
-    The scorer is called with keyword arguments (as verl does), so its parameters must carry these names."""
+    """None -> compute_score; "path/to/file.py:function" -> that function, checked for verl's signature. The scorer is
+    called with keyword arguments (as verl does), so its parameters must carry these names."""
     if spec is None:
         return compute_score
     path, sep, name = spec.rpartition(":")
