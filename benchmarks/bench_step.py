@@ -18,6 +18,7 @@ FLOPs run at 989 TFLOP/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -58,6 +59,44 @@ def bound_seconds(cfg: ModelConfig, B: int, P: int, R: int, world: int) -> tuple
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * B * (P + R) ** 2  # causal QK^T + PV, forward
     flops = (2 + 6) * cfg.num_params(with_embedding=False) * tokens + 4 * attn
     return gen, flops / 989e12 / world
+
+
+def phase_table(prof, top: int = 10) -> str:
+    """Device time of each train.timed phase of the profiled step and its top kernels (on CPU: leaf ops).
+    A kernel belongs to the phase whose time range holds its start; the phases are synchronised at both
+    ends while profiling, so this also catches the backward's kernels, launched from autograd's thread."""
+    evs = prof.events()
+    ranges = [(e.name[6:], e.time_range.start, e.time_range.end) for e in evs if e.name.startswith("phase/")]
+    cuda = any(e.device_type == torch.autograd.DeviceType.CUDA for e in evs)
+    phases: dict = {name: {} for name, _, _ in ranges}
+    for e in evs:
+        if e.name.startswith("phase/") or (e.device_type == torch.autograd.DeviceType.CUDA) != cuda or \
+                (not cuda and e.cpu_children):
+            continue
+        for name, start, end in ranges:
+            if start <= e.time_range.start <= end:
+                phases[name][e.name] = phases[name].get(e.name, 0) + e.time_range.elapsed_us()
+                break
+    lines = []
+    for name, acc in phases.items():
+        total = sum(acc.values()) or 1
+        lines.append(f"{name}: {total / 1e3:.1f} ms of {'device' if cuda else 'CPU op'} time")
+        for k, v in sorted(acc.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"    {v / total * 100:5.1f}%  {v / 1e3:8.1f} ms  {k[:100]}")
+    return "\n".join(lines)
+
+
+def timed_with_range(metrics: dict, name: str):
+    """train.timed inside a profiler range phase/<name>, synchronised at both ends on GPU (see phase_table)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with torch.profiler.record_function(f"phase/{name}"), TIMED(metrics, name):
+        yield
+        sync()
+
+
+TIMED = train.timed
+train.timed = contextlib.contextmanager(timed_with_range)
 
 
 def main() -> None:
@@ -117,6 +156,7 @@ def main() -> None:
             prof.__exit__(None, None, None)
             if rank == 0:
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+                print(phase_table(prof), flush=True)
         t.step += 1
         rows.append(m)
         if rank == 0:
