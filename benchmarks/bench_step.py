@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="fewer layers (quick checks)")
     ap.add_argument("--steps", type=int, default=3, help="the first is warm-up (CUDA graphs, cuBLAS)")
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8, help="rollout.n (not --n: torchrun would take that as its own)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--mini", type=int, default=8, help="prompts per optimizer step")
@@ -130,8 +130,8 @@ def main() -> None:
         f"data.train_batch_size={args.prompts}", f"data.max_prompt_length={args.prompt_len}",
         f"data.max_response_length={args.response_len}", f"actor.model_path={model_dir}", "actor.dtype=" + ("bf16" if args.device == "cuda" else "fp32"),
         "actor.optim.lr=1e-6", f"actor.ppo_mini_batch_size={args.mini}", "actor.gradient_checkpointing=true",
-        f"actor.max_tokens_per_micro_batch={args.micro_tokens}", f"rollout.n={args.n}",
-        f"rollout.max_rows={args.prompts * args.n}", f"trainer.device={args.device}", f"trainer.total_steps={args.steps}",
+        f"actor.max_tokens_per_micro_batch={args.micro_tokens}", f"rollout.n={args.samples}",
+        f"rollout.max_rows={args.prompts * args.samples}", f"trainer.device={args.device}", f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={data_dir}/run", f"parallel.train.tp={args.tp}", f"parallel.train.pp={args.pp}",
         f"parallel.rollout.tp={args.gen_tp}", "trainer.logger=[]"])
     t = train.Trainer(cfg)
@@ -170,7 +170,7 @@ def main() -> None:
         last = rows[1:] or rows
         avg = {k: sum(r[k] for r in last) / len(last) for k in last[0] if k.startswith(("timing_s", "perf"))}
         world = t.world
-        gen_b, fb_b = bound_seconds(t.mcfg, args.prompts * args.n, args.prompt_len, args.response_len, world)
+        gen_b, fb_b = bound_seconds(t.mcfg, args.prompts * args.samples, args.prompt_len, args.response_len, world)
         step_s = avg["timing_s/step"]
         device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         print(f"\n{device_name} x{world}  model {args.model}"
