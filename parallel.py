@@ -627,11 +627,6 @@ class ShardedAdamW:
             self.works.append(_reduce_scatter_flat(self.owned_grads[i], bucket, group=group, async_op=True)
                               if self.nccl else dist.all_reduce(bucket, group=group, async_op=True))
 
-    def grad_shard(self) -> torch.Tensor:
-        """A copy of this rank's part of the flat fp32 gradient: its slice of every bucket, in a row (the
-        layout of the master weights; complete after reduce_gradients)."""
-        return torch.cat(self.owned_grads)
-
     def reduce_gradients(self) -> None:
         """Complete the accumulated gradients: the DP sum of every bucket not started during the backward,
         the TP partial sums and tied embedding copies, then the DP sum of the buckets holding those."""
@@ -697,9 +692,6 @@ class ShardedAdamW:
         views = [full[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
         torch._foreach_copy_(self.params, views)
         self.grad_buffer.zero_()
-
-    def num_state_elements(self) -> int:
-        return self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
 
     def state_dict(self) -> dict:
         """This rank's parts: master weights, moments, step count, the owned ranges and the flat index."""

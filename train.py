@@ -16,8 +16,9 @@ One step
    whose n responses all score the same carry no signal for a group-relative advantage, so they are
    dropped and more prompts drawn until the batch is full.
 3. **Recompute**, in packed micro-batches in the training layout: log-probs under the actor (pi_old;
-   they differ slightly from the generator's, see training/rollout_probs_diff_*) and under the
-   reference policy (for a KL term), and the critic's values.
+   they differ slightly from the generator's, see training/rollout_probs_diff_*; with
+   `algorithm.rollout_is.bypass_mode` the generator's stand in for them, one forward pass less) and
+   under the reference policy (for a KL term), and the critic's values.
 4. **Advantages** (algorithms.py): GAE with the critic's values (PPO), or outcome-based group
    baselines (GRPO, RLOO, REINFORCE++).
 5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts,
@@ -163,6 +164,7 @@ class RolloutISConfig:
     enable: bool = False
     threshold: float = 2.0
     level: str = "token"
+    bypass_mode: bool = False           # pi_old = the generator's log-probs: no old_log_prob pass
 
 
 @dataclass
@@ -300,6 +302,8 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
         raise ValueError(f"{path}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the "
                          f"rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
+    if cfg.algorithm.rollout_is.bypass_mode and cfg.algorithm.rollout_is.enable:  # the weights would all be 1
+        raise ValueError(f"{path}: algorithm.rollout_is.enable and .bypass_mode exclude each other (pi_old=pi_rollout)")
     if cfg.rollout.temperature <= 0:
         raise ValueError(f"{path}: rollout.temperature must be > 0 for training (log-probs divide by it)")
     return cfg
@@ -608,9 +612,12 @@ class Trainer:
                                                            ob.penalty_factor)
         token_scores = torch.zeros_like(mask)  # the outcome reward sits on the last response token
         token_scores[torch.arange(len(batch)), (resp_len.long() - 1).clamp(min=0)] = scores * (resp_len > 0)
-        with timed(metrics, "old_log_prob"):
-            T["old_log_probs"] = self.forward_only(self.actor, batch)
-        metrics.update(alg.rollout_mismatch_metrics(T["old_log_probs"], batch.rollout_log_probs, mask))
+        if al.rollout_is.bypass_mode:  # pi_old is the generator's: no forward pass, and no mismatch to measure
+            T["old_log_probs"] = batch.rollout_log_probs
+        else:
+            with timed(metrics, "old_log_prob"):
+                T["old_log_probs"] = self.forward_only(self.actor, batch)
+            metrics.update(alg.rollout_mismatch_metrics(T["old_log_probs"], batch.rollout_log_probs, mask))
         if al.rollout_is.enable:
             T["rollout_is_weights"] = alg.compute_rollout_is_weights(T["old_log_probs"], batch.rollout_log_probs,
                                                                      mask, al.rollout_is.threshold, al.rollout_is.level)

@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/nanorl_bench_step")
     ap.add_argument("--device", default="cuda", help="cpu: a functional check of this script only (fp32)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the last step: top kernels")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
     args = ap.parse_args()
     if args.profile:  # phase ranges (and syncs) only in profiled runs: timing runs keep train.timed as it is
         train.timed = contextlib.contextmanager(timed_with_range)
@@ -133,7 +134,7 @@ def main() -> None:
         f"actor.max_tokens_per_micro_batch={args.micro_tokens}", f"rollout.n={args.samples}",
         f"rollout.max_rows={args.prompts * args.samples}", f"trainer.device={args.device}", f"trainer.total_steps={args.steps}",
         f"trainer.output_dir={data_dir}/run", f"parallel.train.tp={args.tp}", f"parallel.train.pp={args.pp}",
-        f"parallel.rollout.tp={args.gen_tp}", "trainer.logger=[]"])
+        f"parallel.rollout.tp={args.gen_tp}", "trainer.logger=[]", *args.set])
     t = train.Trainer(cfg)
     t.eos_ids = []  # EOS never ends a response: every one is max_response_length tokens
     t.reward_fn = hash_score
@@ -180,7 +181,7 @@ def main() -> None:
         trl = TRL_H200.get(args.model) if world == 1 and not args.layers else None
         vs_trl = f"{avg['perf/throughput'] / trl:.2f}x" if trl else "-"
         print(f"| {step_s:.2f} | {avg['timing_s/gen']:.2f} | {avg['timing_s/reshard']:.3f} | "
-              f"{avg['timing_s/old_log_prob']:.2f} | {avg['timing_s/update_actor']:.2f} | "
+              f"{avg.get('timing_s/old_log_prob', 0.0):.2f} | {avg['timing_s/update_actor']:.2f} | "
               f"{avg['perf/throughput']:.0f} | {avg['perf/mfu/actor'] * 100:.1f}% | {gen_b + fb_b:.2f} "
               f"(gen {gen_b:.2f} + fb {fb_b:.2f}) | {(gen_b + fb_b) / step_s * 100:.1f}% | "
               f"{vs_trl} |", flush=True)

@@ -74,8 +74,8 @@ def local_slice(full, tp_dim, parts, tp, r):
 
 
 def assemble(parts):
-    """The flat gradient from the DP ranks' (owned ranges, grad_shard): each rank's part scattered back
-    into place. The owned ranges must cover the buffer exactly once."""
+    """The flat gradient from the DP ranks' (owned ranges, owned gradient parts in a row): each rank's part
+    scattered back into place. The owned ranges must cover the buffer exactly once."""
     n = max(b for owned, _ in parts for _, b in owned)
     flat, hits = torch.zeros(n), torch.zeros(n, dtype=torch.long)
     for owned, g in parts:
@@ -105,8 +105,8 @@ def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False):
     res = {"coords": (lay.dp_rank, lay.pp_rank, lay.tp_rank), "dp": lay.dp, "start": model.layer_start,
            "report": lay.is_last_stage and lay.tp_rank == 0, "index": opt.index, "owned": opt.owned,
            "buckets": opt.buckets, "order": opt.order, "deferred": opt.deferred, "launched": [],
-           "overlap": overlap,
-           "state_elements": opt.num_state_elements(), "numel": opt.numel, "losses": [], "norms": [],
+           "overlap": overlap, "state_elements": sum(x.numel() for x in (opt.master, opt.exp_avg, opt.exp_avg_sq)),
+           "numel": opt.numel, "losses": [], "norms": [],
            "shard_name": shard_name(lay, with_dp=True),
            "meta": {n: (p.tp_dim, p.tp_parts) for n, p in model.named_parameters()}}
     with torch.no_grad():  # forward-only: log-probs of step 0's micro-batches
@@ -128,7 +128,7 @@ def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False):
         res["launched"].append((at_forward[-1] if at_forward else None, opt.launched))
         opt.reduce_gradients()
         if s == 0:
-            res["grad_shard"] = opt.grad_shard().clone()
+            res["grad_shard"] = torch.cat(opt.owned_grads)
         res["norms"].append(opt.clip_grad_norm(MAX_NORM))
         opt.step()
     res["params"] = {n: p.detach().clone() for n, p in model_state(model).items()}
@@ -150,7 +150,7 @@ def _split_case(path, batch):
     opt = ShardedAdamW(model, lay, **HP)
     pipeline_forward_backward(model, lay, batch[lay.dp_rank::lay.dp], token_mean_loss(lay))
     opt.reduce_gradients()
-    return {"dp_rank": lay.dp_rank, "grad_shard": opt.grad_shard().clone(), "index": opt.index, "owned": opt.owned}
+    return {"dp_rank": lay.dp_rank, "grad_shard": torch.cat(opt.owned_grads), "index": opt.index, "owned": opt.owned}
 
 
 def _vocab_case(logits, targets, w_logp, w_ent, temperature):
@@ -366,7 +366,7 @@ def test_optimizer_single_process(ckpts):
     model = load_model(ckpts["qwen2"])
     opt = ShardedAdamW(model, make_layout(1, 1), **HP)
     n = sum(p.numel() for p in model.parameters())
-    assert opt.numel == n and opt.num_state_elements() == 3 * n
+    assert opt.numel == n and sum(x.numel() for x in (opt.master, opt.exp_avg, opt.exp_avg_sq)) == 3 * n
     # the flat buffer holds exactly the parameters, each once
     assert sorted(name for name, _, _ in opt.index) == sorted(name for name, _ in model.named_parameters())
     # a second optimizer of the same model takes over the gradient hooks (resume into another layout)
@@ -377,7 +377,7 @@ def test_optimizer_single_process(ckpts):
         model.logits(model.packed(ids, torch.arange(7), torch.tensor([0, 7], dtype=torch.int32), 7)).sum().backward()
 
     backward()
-    assert opt.grad_shard().abs().max() > 0 and all(p.grad is None for p in model.parameters())
+    assert torch.cat(opt.owned_grads).abs().max() > 0 and all(p.grad is None for p in model.parameters())
     # a backward pass more than announced would add to a bucket whose reduction may have started
     opt.zero_grad()
     opt.expect_backwards(1)

@@ -75,6 +75,22 @@ def test_metrics_and_ratio_is_one_before_first_update(synth, tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "val_generations", "step_2.jsonl"))
 
 
+def test_bypass_mode_takes_pi_old_from_the_rollout(synth, tmp_path):
+    """algorithm.rollout_is.bypass_mode: no old_log_prob pass, pi_old = the generator's log-probs. One optimizer
+    step per batch, so every figure comes from the same weights; on CPU (fp32) the generator's log-probs equal
+    the recomputed ones to rounding, so the loss and gradient must too (a shifted or missing log-prob would not)."""
+    def first_step(out, *extra):
+        cfg = train.load_config(CONFIG, overrides(synth, out, "actor.ppo_mini_batch_size=32", *extra))
+        return train.Trainer(cfg).train_step()
+    plain = first_step(str(tmp_path / "plain"))
+    bypass = first_step(str(tmp_path / "bypass"), "algorithm.rollout_is.bypass_mode=true")
+    assert "timing_s/old_log_prob" in plain and "training/rollout_probs_diff_max" in plain
+    assert "timing_s/old_log_prob" not in bypass and "training/rollout_probs_diff_max" not in bypass
+    assert plain["actor/ppo_kl"] == 0.0 and abs(bypass["actor/ppo_kl"]) < 1e-6
+    for k in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(plain[k] - bypass[k]) <= 1e-5 * max(1.0, abs(plain[k])), (k, plain[k], bypass[k])
+
+
 @pytest.mark.parametrize("algo", [
     ["algorithm.adv_estimator=grpo"],
     ["algorithm.adv_estimator=gae"],
