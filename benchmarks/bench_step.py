@@ -176,8 +176,8 @@ def main() -> None:
         device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         print(f"\n{device_name} x{world}  model {args.model}"
               f"{f' ({args.layers} layers)' if args.layers else ''}  tp={args.tp} pp={args.pp} gen_tp={args.gen_tp}")
-        print(f"| s/step | gen | reshard | old_log_prob | update_actor | tok/s/GPU | MFU actor | bound s | "
-              f"% of bound | vs TRL |")
+        print("| s/step | gen | reshard | old_log_prob | update_actor | tok/s/GPU | MFU actor | bound s | "
+              "% of bound | vs TRL |")
         trl = TRL_H200.get(args.model) if world == 1 and not args.layers else None
         vs_trl = f"{avg['perf/throughput'] / trl:.2f}x" if trl else "-"
         print(f"| {step_s:.2f} | {avg['timing_s/gen']:.2f} | {avg['timing_s/reshard']:.3f} | "
