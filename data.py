@@ -54,7 +54,7 @@ logger = logging.getLogger("nanorl.data")
 
 CACHE_VERSION = "2"  # bump when the cache layout changes, so old files are never reused
 TRUNCATIONS = ("error", "left", "right", "middle")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # one suffices
 
 
 def load_tokenizer(model_dir: str):
@@ -62,8 +62,8 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
-    if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{model_dir!r} holds no tokenizer files (expected one of {list(TOKENIZER_FILES)}); "
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_MARKERS):
+        raise FileNotFoundError(f"{model_dir!r} holds no tokenizer files (expected one of {list(TOKENIZER_MARKERS)}); "
                                 f"it has {sorted(os.listdir(model_dir))}")
     return AutoTokenizer.from_pretrained(model_dir)
 
