@@ -132,10 +132,17 @@ class ModelConfig:
 
     def num_params(self, with_embedding: bool = True) -> int:
         """Matrix parameters N (norms and biases are negligible); MFU uses N without the input embedding."""
-        d, hd = self.hidden_size, self.head_dim
-        layer = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * self.intermediate_size
-        n = self.num_layers * layer + self.vocab_size * d  # LM head (the tied case counts it once)
-        return n + (self.vocab_size * d if with_embedding and not self.tie_word_embeddings else 0)
+        n = self.num_layers * self.layer_params + self.vocab_size * self.hidden_size  # LM head (tied: counted once)
+        return n + (self.vocab_size * self.hidden_size if with_embedding and not self.tie_word_embeddings else 0)
+
+    @property
+    def layer_params(self) -> int:
+        return self.hidden_size * (2 * self.head_dim * (self.num_heads + self.num_kv_heads)
+                                   + 3 * self.intermediate_size)
+
+    @property
+    def head_cost(self) -> float:  # the LM head in layers' worth of matrix FLOPs, for parallel.stage_layers
+        return self.vocab_size * self.hidden_size / self.layer_params
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -471,7 +478,8 @@ class Transformer(nn.Module):
         super().__init__()
         layout = layout or Layout()
         self.cfg, self.layout = cfg, layout
-        self.layer_start, self.layer_end = stage_layers(cfg.num_layers, layout.pp, layout.pp_rank)
+        self.layer_start, self.layer_end = stage_layers(cfg.num_layers, layout.pp, layout.pp_rank,
+                                                        cfg.head_cost if lm_head else 0.0)
         kw = dict(dtype=dtype, device=device)
         first, last = layout.is_first_stage, layout.is_last_stage
         embedding = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw)  # noqa: E731

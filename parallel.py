@@ -47,8 +47,9 @@ one backward (steady state), then drains the remaining backwards (cooldown):
     stage 3:           F0 B0 F1 B1 F2 B2 .. B5
 
 so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m of the
-step. Each exchange posts its sends and receives together (one batch of P2P ops), which pairs the two
-sides' messages and cannot deadlock.
+step. The pipeline runs at the pace of its slowest stage, and the last one also runs the LM head and the
+loss (2.3 layers' worth on Qwen2.5-7B), so it gets fewer layers (`stage_layers`). Each exchange posts its
+sends and receives together (one batch of P2P ops), which pairs the two sides' messages and cannot deadlock.
 
 Data parallelism and ZeRO-1
 ---------------------------
@@ -158,9 +159,14 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
         raise ValueError(f"{name}: pp={pp} exceeds num_hidden_layers={cfg.num_layers}")
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, int]:
-    """[start, end) of the layers held by one pipeline stage: an even split, earlier stages taking the rest."""
-    base, extra = divmod(num_layers, pp)
+def stage_layers(num_layers: int, pp: int, pp_rank: int, head_cost: float = 0.0) -> tuple[int, int]:
+    """[start, end) of the layers held by one pipeline stage. The last stage also runs the LM head and loss,
+    worth `head_cost` layers (ModelConfig.head_cost), so it takes about (layers + head_cost) / pp - head_cost
+    layers (at least 1, at most an even share); the others split the rest evenly, earlier ones taking more."""
+    last = min(max(1, round((num_layers + head_cost) / pp - head_cost)), num_layers // pp) if pp > 1 else num_layers
+    if pp_rank == pp - 1:
+        return num_layers - last, num_layers
+    base, extra = divmod(num_layers - last, pp - 1)
     start = pp_rank * base + min(pp_rank, extra)
     return start, start + base + (1 if pp_rank < extra else 0)
 

@@ -150,7 +150,7 @@ def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_
     """What stage p contributes to the generation model (not a critic head, nor the last stage's copy
     of a tied embedding), from a skeleton on the meta device."""
     skel = Transformer(cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta")
-    start, out = stage_layers(cfg.num_layers, pp, p)[0], []
+    start, out = skel.layer_start, []
     for name, prm in skel.named_parameters():
         if name.startswith("value_head.") or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
             continue
@@ -203,7 +203,7 @@ class Resharder:
         size = lambda es: sum(torch.Size(e.shape).numel() for e in es)  # noqa: E731
         item = torch.finfo(self.dtype).bits // 8
         per = max(1, bucket_bytes // (item * m * size(e for e in stages[0] if e.train.startswith("layers.0."))))
-        nl = -(-stage_layers(cfg.num_layers, lay.pp, 0)[1] // per)  # layer buckets (the first stage has the most)
+        nl = -(-stage_layers(cfg.num_layers, lay.pp, 0, cfg.head_cost)[1] // per)  # layer buckets (stage 0 has most)
         self.buckets = [[[] for _ in range(nl + 1 + (lay.pp == 1))] for _ in stages]  # [stage][bucket]
         for p, entries in enumerate(stages):
             for e in entries:
@@ -386,16 +386,16 @@ class _Checkpoint:
         self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
         self.cfg = ModelConfig.from_hf(self.meta["model_config"], source=f)
         self.index = {}  # hf name -> (its stage's files, our name, tp_dim, its rows/columns in each shard)
-        for p in range(pp):
-            files = [os.path.join(ckpt_dir, f"model_{shard_name(Layout(tp_rank=t, pp_rank=p))}.safetensors")
-                     for t in range(tp)]
-            if missing := [fn for fn in files if not os.path.isfile(fn)]:
-                raise FileNotFoundError(f"checkpoint {ckpt_dir!r} (tp={tp}, pp={pp}) lacks {missing}")
-            names, files = files, [open_safetensors(fn) for fn in files]
+        stages = [[os.path.join(ckpt_dir, f"model_{shard_name(Layout(tp_rank=t, pp_rank=p))}.safetensors")
+                   for t in range(tp)] for p in range(pp)]
+        if missing := [fn for files in stages for fn in files if not os.path.isfile(fn)]:
+            raise FileNotFoundError(f"checkpoint {ckpt_dir!r} (tp={tp}, pp={pp}) lacks {missing}")
+        critic = "value_head.weight" in open_safetensors(stages[-1][0]).keys()  # no LM head: an even stage split
+        for p, names in enumerate(stages):
+            files = [open_safetensors(fn) for fn in names]
             keys = set(files[0].keys())
-            skel = Transformer(self.cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta",
-                               value_head="value_head.weight" in keys,
-                               lm_head="lm_head.weight" in keys or (self.cfg.tie_word_embeddings and pp == 1))
+            skel = Transformer(self.cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta", value_head=critic,
+                               lm_head=not critic)
             if set(named := dict(skel.named_parameters())) != keys:
                 raise ValueError(f"{ckpt_dir}: stage {p} holds {sorted(keys ^ set(named))} unlike a "
                                  f"{self.cfg.architecture} stage of tp={tp}, pp={pp}")

@@ -332,10 +332,17 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def timed(metrics: dict, name: str):
-    """Add the seconds the block takes to metrics['timing_s/<name>']."""
+    """Add the seconds the block takes to metrics['timing_s/<name>'] and, on GPU, its peak memory to
+    'perf/max_memory_allocated_gb/<name>' (the peak before it is kept in the step's 'perf/max_memory_allocated_gb')."""
+    cuda, key = torch.cuda.is_initialized(), "perf/max_memory_allocated_gb"
+    if cuda:
+        metrics[key] = max(metrics.get(key, 0.0), torch.cuda.max_memory_allocated() / 2 ** 30)
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     yield
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+    if cuda:
+        metrics[f"{key}/{name}"] = max(metrics.get(f"{key}/{name}", 0.0), torch.cuda.max_memory_allocated() / 2 ** 30)
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -664,7 +671,8 @@ class Trainer:
         t_update = max(timing["timing_s/update_actor"], 1e-9)
         m["perf/mfu/actor"] = flops / t_update / self.world / (cfg.trainer.peak_tflops * 1e12)
         if self.device.type == "cuda":
-            m["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            m["perf/max_memory_allocated_gb"] = max(timing.get("perf/max_memory_allocated_gb", 0.0),
+                                                    torch.cuda.max_memory_allocated(self.device) / 2 ** 30)
             torch.cuda.reset_peak_memory_stats(self.device)
         return m
 

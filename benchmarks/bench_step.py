@@ -185,6 +185,10 @@ def main() -> None:
               f"{avg['perf/throughput']:.0f} | {avg['perf/mfu/actor'] * 100:.1f}% | {gen_b + fb_b:.2f} "
               f"(gen {gen_b:.2f} + fb {fb_b:.2f}) | {(gen_b + fb_b) / step_s * 100:.1f}% | "
               f"{vs_trl} |", flush=True)
+        peaks = {k.rsplit("/", 1)[1]: v for k, v in avg.items() if k.startswith("perf/max_memory_allocated_gb/")}
+        if peaks:
+            print("peak GiB by phase (rank 0): " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
+                  + f"; step {avg['perf/max_memory_allocated_gb']:.1f}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

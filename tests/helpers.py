@@ -1,5 +1,5 @@
 """Test helpers: tiny random Hugging Face checkpoints, a tiny tokenizer, and a
-runner that executes a test body in N spawned gloo processes.
+runner that executes a test body in N spawned gloo (or NCCL) processes.
 
 Nothing here touches the network: checkpoints are built from `transformers`
 config classes with random weights and written with `save_pretrained`; the
@@ -112,12 +112,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_dir):
+def _worker(rank, world_size, port, fn, args, result_dir, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
     except BaseException:
@@ -129,15 +131,17 @@ def _worker(rank, world_size, port, fn, args, result_dir):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args):
-    """Run fn(rank, world_size, *args) in world_size spawned gloo processes; return the list of results.
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo"):
+    """Run fn(rank, world_size, *args) in world_size spawned processes (gloo; nccl: one GPU each); return the
+    list of results.
 
     fn must be a module-level function (it is pickled). Any rank's exception fails the call
     with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as result_dir:
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, result_dir), nprocs=world_size, join=True)
+            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, result_dir, backend), nprocs=world_size,
+                     join=True)
         except Exception as e:
             errs = [open(os.path.join(result_dir, f)).read() for f in sorted(os.listdir(result_dir)) if f.endswith(".err")]
             raise RuntimeError("distributed test failed:\n" + "\n".join(errs)) from e

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import helpers
 from model import ModelConfig, load_model
-from parallel import (ShardedAdamW, lr_at, make_layout, model_state,
-                      pipeline_forward_backward, shard_name, validate_layout, vocab_parallel_logprobs)
+from parallel import (ShardedAdamW, lr_at, make_layout, model_state, pipeline_forward_backward, shard_name,
+                      stage_layers, validate_layout, vocab_parallel_logprobs)
 
 V = helpers.TINY_VOCAB
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
@@ -92,13 +92,16 @@ def flat_to_params(flat, index):
 # ----------------------------------------------------------------------------- distributed bodies
 
 
-def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False):
+def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False, cuda=False):
     """Train len(steps) steps; with `overlap` the optimizer is told the number of backward passes. "launched"
     records, per step, how many buckets had started their DP reduction when the last micro-batch's forward
     reached the loss (the last stage runs its backward right after; None on other stages) and when the
-    backward had finished."""
+    backward had finished. With `cuda`, on this rank's GPU in fp32 (SDPA: the GPU kernels want bf16)."""
     lay = make_layout(tp, pp)
-    model = load_model(path, lay)
+    model = load_model(path, lay, device="cuda" if cuda else None)
+    if cuda:
+        model.attn_backend = "sdpa"
+        steps = [[{k: v.cuda() if torch.is_tensor(v) else v for k, v in mb.items()} for mb in b] for b in steps]
     opt = ShardedAdamW(model, lay, **HP, bucket_size=bucket_size)
     loss_fn = token_mean_loss(lay)
     mine = [batch[lay.dp_rank::lay.dp] for batch in steps]  # this DP rank's micro-batches
@@ -134,7 +137,15 @@ def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False):
     res["params"] = {n: p.detach().clone() for n, p in model_state(model).items()}
     res["master_roundtrip"] = _state_roundtrip(opt)
     res["republished"] = all(torch.equal(p, res["params"][n]) for n, p in model_state(model).items())
-    return res
+    return _to_cpu(res)
+
+
+def _to_cpu(x):
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x.cpu() if torch.is_tensor(x) else x
 
 
 def _state_roundtrip(opt):
@@ -277,7 +288,9 @@ def check_split(path, batch, results):
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     fams = {f for f, _, _ in TP_CASES_2 + TP_CASES_4}
-    out = {f: helpers.make_checkpoint(str(tmp_path_factory.mktemp(f)), f, with_tokenizer=False) for f in fams}
+    heavy_head = {"qwen2_tied": {"intermediate_size": 16}}  # head = 1.13 layers: pp=2 splits 4 layers 3 + 1
+    out = {f: helpers.make_checkpoint(str(tmp_path_factory.mktemp(f)), f, with_tokenizer=False,
+                                      **heavy_head.get(f, {})) for f in fams}
     out["qwen3_odd"] = helpers.make_checkpoint(str(tmp_path_factory.mktemp("qwen3_odd")), "qwen3",
                                                with_tokenizer=False, hidden_size=63)
     return out
@@ -343,6 +356,17 @@ def test_four_processes_and_batch_split(ckpts):
     check_split(ckpts["qwen2"], split, [r[-1] for r in res])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the NCCL paths of parallel.py")
+def test_two_gpus_nccl(ckpts):
+    """tp=2, pp=2 (tied), dp=2 on two GPUs over NCCL (in-place bucket reduce-scatter and all-gather, GPU p2p),
+    with small buckets reduced during the backward, vs one CPU process."""
+    steps = make_steps(1)
+    cases = [("train", ckpts[f], tp, pp, steps, BUCKET, True, True) for f, tp, pp in TP_CASES_2]
+    res = helpers.run_distributed(_worker, 2, cases, backend="nccl")
+    for i, (f, tp, pp) in enumerate(TP_CASES_2):
+        check_train_case([r[i] for r in res], reference(ckpts[f], steps), tp, pp, f == "qwen2_tied")
+
+
 @pytest.mark.parametrize("tp, world", [(1, 2), (2, 4)])
 def test_buckets_reduced_during_backward(ckpts, tp, world):
     """dp=2 and tp2 x dp2 (the qk-norm grads are TP partial sums: their buckets wait for the TP all-reduce)
@@ -387,6 +411,25 @@ def test_optimizer_single_process(ckpts):
     bad = {**opt.state_dict(), "index": opt.index[1:]}
     with pytest.raises(ValueError, match="same model and \\(tp, pp, dp\\) layout"):
         opt.load_state_dict(bad)
+
+
+def test_stage_layers_balance_the_lm_head():
+    """Qwen2.5-7B: a layer has 3584 * 128 * (2 * 28 + 2 * 4) + 3 * 3584 * 18944 = 233,046,016 matrix parameters,
+    the LM head 152064 * 3584 = 544,997,376, i.e. 2.3386 layers. pp=2 gives the last stage 13 layers + head
+    (15.34) beside 15, not 14 + head (16.34) beside 14; pp=4: 8, 8, 7, 5 + head (7.34) instead of 7 x 3 and 9.34."""
+    cfg = ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                      num_kv_heads=4, head_dim=128)
+    assert abs(cfg.head_cost - 544_997_376 / 233_046_016) < 1e-12
+    split = lambda n, pp, c: [stage_layers(n, pp, r, c) for r in range(pp)]  # noqa: E731
+    assert split(28, 2, cfg.head_cost) == [(0, 15), (15, 28)]
+    assert split(28, 4, cfg.head_cost) == [(0, 8), (8, 16), (16, 23), (23, 28)]
+    assert split(24, 2, 9.1) == [(0, 17), (17, 24)]  # Qwen2-0.5B's head is worth 9.1 of its layers
+    assert split(7, 3, 0.0) == [(0, 3), (3, 5), (5, 7)]  # no head: the even split, earlier stages take the rest
+    for n, pp, c in [(n, pp, c) for n in range(1, 30) for pp in range(1, n + 1) for c in (0.0, 0.3, 2.3, 9.1, 50.0)]:
+        ranges = split(n, pp, c)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        sizes = [b - a for a, b in ranges]
+        assert min(sizes) >= 1 and sizes[0] == max(sizes) and sizes[-1] <= n // pp, (n, pp, c, sizes)
 
 
 def test_invalid_layouts_fail_early(tmp_path):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import helpers
 import reshard
 from model import load_model
-from parallel import Layout, ShardedAdamW, all_gather_stack, make_layout
+from parallel import Layout, ShardedAdamW, all_gather_stack, make_layout, stage_layers
 from reshard import Resharder, collect_results, dispatch_prompts, generation_groups
 
 # ----------------------------------------------------------------------------- the grouping (no processes)
@@ -261,7 +261,7 @@ CASES = {  # training (tp, pp) on 4 ranks: family, config overrides, generation 
     "tp2_dp2": (2, 1, "qwen2", HEADS8, (1, 2)),
     "dp4": (1, 1, "mistral", HEADS8, (2, 4)),
     "pp2_dp2": (1, 2, "qwen3", {}, (1, 2)),
-    "tp2_pp2": (2, 2, "qwen2_tied", {}, (1, 2)),
+    "tp2_pp2": (2, 2, "qwen2_tied", {"intermediate_size": 16}, (1, 2)),  # head = 1.13 layers: stages of 3 + 1
     "tp4": (4, 1, "llama", HEADS8, (1, 2, 4)),
 }
 
@@ -298,8 +298,15 @@ def test_reshard_layouts(case, tmp_path):
         if len(groups) > 1:
             assert len({tuple(per[grp[0]]["draw0"].tolist()) for grp in groups}) == len(groups)
         # memory: the generation shard computed from the checkpoint, the released training shard measured
-        gen_bytes = sum(t.numel() * 4 // (1 if "norm" in n else tp_g) for n, t in full.items()
-                        if not (n == "lm_head.weight" and "tied" in family))
+        def shard_bytes(names):  # of the generation shards of these tensors
+            return sum(full[n].numel() * 4 // (1 if "norm" in n else tp_g) for n in names)
+
+        gen_bytes = shard_bytes(n for n in full if not (n == "lm_head.weight" and "tied" in family))
+        # stages of different lengths (a heavy LM head) pad each layer bucket to the longest stage's part
+        uneven = pp * max(b - a for a, b in (stage_layers(ref.cfg.num_layers, pp, p, ref.cfg.head_cost)
+                                             for p in range(pp))) - ref.cfg.num_layers
+        assert (uneven > 0) == (case == "tp2_pp2")
+        pad_allowed = 0.25 * gen_bytes + uneven * shard_bytes(n for n in full if n.startswith("model.layers.0."))
         for r in per:
             s, extra = r["stats"], r["held"] - r["held0"]
             if tp_g == tp and pp == 1:
@@ -307,7 +314,7 @@ def test_reshard_layouts(case, tmp_path):
                 continue
             assert s["gen_bytes"] == gen_bytes
             assert extra == s["steady_extra_bytes"]  # the accounting agrees with the storages held
-            assert s["pad_bytes"] <= 0.25 * gen_bytes, s
+            assert s["pad_bytes"] <= pad_allowed, s
             if tp_g <= tp:  # the rank holds its generation shard (+ padding) and nothing more
                 assert s["released_bytes"] == r["train_bytes"]
                 assert r["held"] <= gen_bytes + s["pad_bytes"] + r["held0"] - r["train_bytes"]

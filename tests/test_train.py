@@ -75,6 +75,24 @@ def test_metrics_and_ratio_is_one_before_first_update(synth, tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "val_generations", "step_2.jsonl"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: peak memory statistics")
+def test_timed_records_each_phases_peak_memory():
+    """A phase's peak is its own (not the 64 MiB before it); a repeated phase keeps its largest; the step's
+    peak covers what ran before the phases."""
+    m, gb = {}, lambda mib: torch.cuda.memory_allocated() / 2 ** 30 + mib / 1024
+    x = torch.empty(64 * 2 ** 20, dtype=torch.uint8, device="cuda")
+    want_step = gb(0)
+    del x
+    want = {"a": gb(32), "b": gb(16)}
+    for name, mib in (("a", 32), ("b", 16), ("a", 8)):
+        with train.timed(m, name):
+            y = torch.empty(mib * 2 ** 20, dtype=torch.uint8, device="cuda")
+            del y
+    for name in "ab":
+        assert "timing_s/" + name in m and abs(m["perf/max_memory_allocated_gb/" + name] - want[name]) < 1e-6
+    assert m["perf/max_memory_allocated_gb"] >= want_step
+
+
 def test_bypass_mode_takes_pi_old_from_the_rollout(synth, tmp_path):
     """algorithm.rollout_is.bypass_mode: no old_log_prob pass, pi_old = the generator's log-probs. One optimizer
     step per batch, so every figure comes from the same weights; on CPU (fp32) the generator's log-probs equal
