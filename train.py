@@ -705,25 +705,31 @@ class Trainer:
         final, tmp = os.path.join(root, f"step_{self.step}"), os.path.join(root, f"step_{self.step}.tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            os.makedirs(os.path.join(tmp, "critic") if self.critic is not None else tmp)
         barrier()
         save_model_shard(self.actor.model, lay, tmp)
+        if self.critic is not None:  # weights as shards too, so that another layout can read them back (load_into)
+            save_model_shard(self.critic.model, lay, os.path.join(tmp, "critic"))
         state = {"step": self.step, "optim": self.actor.optim.state_dict(), "sampler": self.sampler.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "nonfinite_skips": self.nonfinite_skips,
                  "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                          **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}}
         if self.critic is not None:
-            state.update(critic_model=self.critic.model.state_dict(), critic_optim=self.critic.optim.state_dict())
+            state.update(critic_optim=self.critic.optim.state_dict())
         torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
         barrier()
         if self.rank == 0:
             meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": self.mcfg.raw}
             write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+            if self.critic is not None:
+                write_text(os.path.join(tmp, "critic", "meta.json"),
+                           json.dumps({**meta, "model_config": self.critic.model.cfg.raw}, indent=1))
             for f in os.listdir(self.cfg.actor.model_path):
                 if f.startswith(TOKENIZER_FILES):
                     shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
-            for f in [*(os.path.join(tmp, f) for f in os.listdir(tmp)), tmp]:
-                fsync(f)  # every rank's shards reach the disk before the rename publishes them
+            for d, _, files in os.walk(tmp, topdown=False):
+                for f in [*(os.path.join(d, f) for f in files), d]:
+                    fsync(f)  # every rank's shards reach the disk before the rename publishes them
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_text(os.path.join(root, "latest"), str(self.step))
@@ -744,6 +750,8 @@ class Trainer:
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
         meta = read_json(os.path.join(path, "meta.json"))
         load_into(self.actor.model, path)
+        if self.critic is not None:
+            load_into(self.critic.model, os.path.join(path, "critic"))
         same = (meta["tp"], meta["pp"], meta["dp"]) == (lay.tp, lay.pp, lay.dp)
         mine = shard_name(lay, with_dp=True) if same else "dp0_pp0_tp0"  # another layout: rank 0's sampler, counters
         st = torch.load(os.path.join(path, f"state_{mine}.pt"), weights_only=False)
@@ -756,10 +764,10 @@ class Trainer:
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
             if self.critic is not None:
-                self.critic.model.load_state_dict(st["critic_model"])
                 self.critic.optim.load_state_dict(st["critic_optim"])
-        else:  # another layout: the optimizer's shards do not map; rebuild it (fp32 master copies from the weights)
-            self.actor.optim = self._adamw(self.actor.model, self.actor.ocfg)
+        else:  # another layout: the optimizers' shards do not map; rebuild them (fp32 master copies from the weights)
+            for role in (self.actor, self.critic) if self.critic is not None else (self.actor,):
+                role.optim = self._adamw(role.model, role.ocfg)
             print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
                   f"tp={lay.tp} pp={lay.pp} dp={lay.dp}: weights exact, Adam moments restarted", flush=True)
         self.sampler.load_state_dict(st["sampler"])
