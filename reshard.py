@@ -203,7 +203,8 @@ class Resharder:
         size = lambda es: sum(torch.Size(e.shape).numel() for e in es)  # noqa: E731
         item = torch.finfo(self.dtype).bits // 8
         per = max(1, bucket_bytes // (item * m * size(e for e in stages[0] if e.train.startswith("layers.0."))))
-        nl = -(-stage_layers(cfg.num_layers, lay.pp, 0, cfg.head_cost)[1] // per)  # layer buckets (stage 0 has most)
+        layers0 = {e.train.split(".")[1] for e in stages[0] if e.train.startswith("layers.")}  # stage 0 has most
+        nl = -(-len(layers0) // per)  # layer buckets
         self.buckets = [[[] for _ in range(nl + 1 + (lay.pp == 1))] for _ in stages]  # [stage][bucket]
         for p, entries in enumerate(stages):
             for e in entries:
@@ -350,7 +351,7 @@ class Resharder:
 def dispatch_prompts(prompts: list, gen_layout: Layout) -> tuple[list, int]:
     """This generation replica's contiguous share of the prompt list (the same on every rank) and its
     offset. A prompt's n samples are generated together, so they stay in one replica."""
-    start, end = stage_layers(len(prompts), gen_layout.dp, gen_layout.dp_rank)  # the same even split as layers
+    start, end = stage_layers(len(prompts), gen_layout.dp, gen_layout.dp_rank)  # an even split (no head cost)
     return prompts[start:end], start
 
 

@@ -766,7 +766,7 @@ class Trainer:
             if self.critic is not None:
                 self.critic.optim.load_state_dict(st["critic_optim"])
         else:  # another layout: the optimizers' shards do not map; rebuild them (fp32 master copies from the weights)
-            for role in (self.actor, self.critic) if self.critic is not None else (self.actor,):
+            for role in filter(None, (self.actor, self.critic)):
                 role.optim = self._adamw(role.model, role.ocfg)
             print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
                   f"tp={lay.tp} pp={lay.pp} dp={lay.dp}: weights exact, Adam moments restarted", flush=True)
