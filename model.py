@@ -255,17 +255,21 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
     return out.squeeze(0).transpose(0, 1)
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths):
+def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, prefix=None):
     """One new token per cache row: q [B, H, d], its k_new, v_new [B, Hkv, d]; caches [B, Hkv, L, d]. Stores k_new,
-    v_new at position lengths[b] - 1 of row b, which then attends to its first lengths[b] positions. bf16 on CUDA:
-    a split-K flash-decoding kernel that reads only those positions and also does the store (one launch less per
-    layer). Elsewhere two batched matmuls over the whole row with a length mask (the (row, kv head) batch folds
-    into one strided bmm even for a prefix [:, :, :L] of longer rows). CUDA-graph friendly: no host sync."""
+    v_new at position lengths[b] - 1 of row b, which then attends to its first lengths[b] positions; with prefix =
+    (src, plen) [B] int32 it reads the first plen[b] of them from row src[b] (the samples of a prompt read one copy
+    of it). bf16 on CUDA: a split-K flash-decoding kernel that reads only those positions and also does the store
+    (one launch less per layer). Elsewhere two batched matmuls over the whole row with a length mask (the (row, kv
+    head) batch folds into one strided bmm even for a prefix [:, :, :L] of longer rows). No host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths)
+        return _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, prefix)
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
     rows, last = torch.arange(B, device=q.device), lengths.long() - 1
     k_cache[rows, :, last], v_cache[rows, :, last] = k_new, v_new
+    if prefix is not None:
+        shared = (torch.arange(L, device=q.device)[None, :] < prefix[1][:, None])[:, None, :, None]
+        k_cache, v_cache = (torch.where(shared, c[prefix[0].long()], c) for c in (k_cache, v_cache))
     qg = q.view(B, hkv, H // hkv, d)
     scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d ** -0.5  # [B, hkv, g, L]
     valid = torch.arange(L, device=q.device)[None, :] < lengths[:, None]
@@ -283,16 +287,22 @@ except ImportError:
 
 if TRITON:
     @triton.jit
-    def _flash_decode_split(Q, Kn, Vn, K, V, Lens, Mo, Lo, Ao, O, scale, sq_b, sq_h, sn_b, sn_h, sk_b, sk_h, sk_l,
-                            sv_b, sv_h, sv_l, so_b, so_h, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
-                            DP: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
+    def _flash_decode_split(Q, Kn, Vn, K, V, Lens, Src, Plen, Mo, Lo, Ao, O, scale, sq_b, sq_h, sn_b, sn_h, sk_b,
+                            sk_h, sk_l, sv_b, sv_h, sv_l, so_b, so_h, G: tl.constexpr, D: tl.constexpr,
+                            GP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr,
+                            PREFIX: tl.constexpr):
         """Program (row b, kv head h, split s): the G query heads of h against the s-th of S equal,
         BLOCK-aligned parts of row b's keys; writes the running max, sum and unnormalised output of the
         part (DIRECT, one part per row: the normalised output). The parts follow the row's length, read at run
         time, so one CUDA graph serves every length. The part holding the new position n - 1 first stores the
-        new k, v there; the barrier makes them visible to the whole program's loads."""
+        new k, v there; the barrier makes them visible to the whole program's loads. PREFIX: positions below
+        Plen[b] come from row Src[b]; sibling rows' programs run side by side, so those re-reads hit L2."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = b.to(tl.int64)  # a long cache's row offsets pass 2^31 elements
         n = tl.load(Lens + b)
+        src, plen = row, n * 0
+        if PREFIX:
+            src, plen = tl.load(Src + b).to(tl.int64), tl.load(Plen + b)
         split = tl.cdiv(tl.cdiv(n, tl.num_programs(2)), BLOCK) * BLOCK
         gi, di = tl.arange(0, GP), tl.arange(0, DP)
         rows = (gi[:, None] < G) & (di[None, :] < D)
@@ -303,14 +313,15 @@ if TRITON:
         end = tl.minimum((s + 1) * split, n)
         if (s * split < n) & (n <= end):
             o = b * sn_b + h * sn_h + di
-            tl.store(K + b * sk_b + h * sk_h + (n - 1) * sk_l + di, tl.load(Kn + o, mask=di < D), mask=di < D)
-            tl.store(V + b * sv_b + h * sv_h + (n - 1) * sv_l + di, tl.load(Vn + o, mask=di < D), mask=di < D)
+            tl.store(K + row * sk_b + h * sk_h + (n - 1) * sk_l + di, tl.load(Kn + o, mask=di < D), mask=di < D)
+            tl.store(V + row * sv_b + h * sv_h + (n - 1) * sv_l + di, tl.load(Vn + o, mask=di < D), mask=di < D)
         tl.debug_barrier()
         for n0 in range(s * split, end, BLOCK):
             ni = n0 + tl.arange(0, BLOCK)
             ok = (ni[:, None] < end) & (di[None, :] < D)
-            k = tl.load(K + b * sk_b + h * sk_h + ni[:, None] * sk_l + di[None, :], mask=ok, other=0.0)
-            v = tl.load(V + b * sv_b + h * sv_h + ni[:, None] * sv_l + di[None, :], mask=ok, other=0.0)
+            r = tl.where(ni < plen, src, row)[:, None]
+            k = tl.load(K + r * sk_b + h * sk_h + ni[:, None] * sk_l + di[None, :], mask=ok, other=0.0)
+            v = tl.load(V + r * sv_b + h * sv_h + ni[:, None] * sv_l + di[None, :], mask=ok, other=0.0)
             sc = tl.where((ni < end)[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             p = tl.exp(sc - m_new[:, None])
@@ -345,8 +356,8 @@ if TRITON:
                  mask=(gi[:, None] < G) & (di[None, :] < D))
 
 
-def _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, block: int | None = None, warps: int = 4,
-                  stages: int = 2, split_factor: int = 2):
+def _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, prefix=None, block: int | None = None,
+                  warps: int = 4, stages: int = 2, split_factor: int = 2):
     """Split-K flash decoding: each row's keys in enough parts (S) that B * Hkv * S programs fill the GPU
     split_factor times; a large batch fills it with one part per row and needs no merge (22% faster at B=256).
     Blocks of 8192 / d keys (16 KB of k). Defaults: the fastest of benchmarks/bench_decode_attn.py on H200."""
@@ -359,10 +370,11 @@ def _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, block: int | None 
     ao = torch.empty(B, hkv, S, GP, DP, dtype=torch.float32, device=q.device) if S > 1 else mo
     out = torch.empty_like(q)
     assert k_new.stride() == v_new.stride(), "k_new and v_new share strides (views of one qkv tensor)"
-    _flash_decode_split[(B, hkv, S)](q, k_new, v_new, k_cache, v_cache, lengths, mo, lo, ao, out, d ** -0.5,
-                                     *q.stride()[:2], *k_new.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                                     *out.stride()[:2], G=G, D=d, GP=GP, DP=DP, BLOCK=block, DIRECT=S == 1,
-                                     num_warps=warps, num_stages=stages)
+    src, plen = prefix if prefix is not None else (lengths, lengths)  # not read without PREFIX
+    _flash_decode_split[(B, hkv, S)](q, k_new, v_new, k_cache, v_cache, lengths, src, plen, mo, lo, ao, out,
+                                     d ** -0.5, *q.stride()[:2], *k_new.stride()[:2], *k_cache.stride()[:3],
+                                     *v_cache.stride()[:3], *out.stride()[:2], G=G, D=d, GP=GP, DP=DP, BLOCK=block,
+                                     DIRECT=S == 1, PREFIX=prefix is not None, num_warps=warps, num_stages=stages)
     if S > 1:
         _flash_decode_merge[(B, hkv)](mo, lo, ao, out, out.stride(0), out.stride(1), S=S,
                                       SP=triton.next_power_of_2(S), G=G, D=d, GP=GP, DP=DP)
@@ -376,13 +388,15 @@ class AttnContext:
     train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token, the cache row
     `slots` it belongs to (positions come from position_ids).  decode: `cache`, one token per cache row
     0..B-1 at position lengths-1 (position_ids), `lengths` = tokens in each row after this one is written,
-    and optionally max_seqlen >= max(lengths) to read only that prefix of the rows (0: the whole row)."""
+    optionally max_seqlen >= max(lengths) to read only that prefix of the rows (0: the whole row), and optionally
+    `prefix` = (src, plen) [B]: row b reads its first plen[b] positions from row src[b] (see decode_attention)."""
 
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     cache: "KVCache | None" = None
     slots: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    prefix: tuple | None = None
     positions: torch.Tensor | None = None  # set by Transformer.forward
     backend: str = "sdpa"
 
@@ -432,7 +446,8 @@ class Attention(nn.Module):
         c = ctx.cache
         if ctx.lengths is not None:  # decode: token b is the next token of cache row b (stored by the attention)
             L = ctx.max_seqlen or c.max_len  # attend over the first L positions only (L >= every length)
-            o = decode_attention(q, k, v, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths)
+            o = decode_attention(q, k, v, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths,
+                                 ctx.prefix)
         else:
             if c is not None:  # prefill: the prompts' k/v into their cache rows `slots`, at their positions
                 c.kv[self.layer_idx, ctx.slots, :, :, ctx.positions] = qkv[:, self.h:].view(T, 2, self.hkv, self.hd)

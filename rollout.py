@@ -8,7 +8,10 @@ sequences take turns in (nothing is paged): its prompt's k/v, then one position 
     decode    one token for every row 0..B-1, one forward per step         ->  k/v at position len-1
 
 A prompt sampled n times is prefilled once, into the first of its rows; `KVCache.copy_rows` copies its k/v to the
-other n-1 rows, and each sample draws its first token from the shared last-position logits.
+other n-1 rows, and each sample draws its first token from the shared last-position logits. While decoding, every
+row reads the prompt's positions from the lowest live row of its prompt (`src`, `plen`): the n programs that read
+one prompt run side by side, so n-1 of those reads come from L2, not HBM. In a GRPO step the prompt is a large part
+of the k/v a step reads. The copies are still made: when that row ends, the next live sample takes over.
 
 **Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one small copy of the
 per-row `done` flags and token counts); in between, the next tokens, row lengths, outputs and the stop test (a stop
@@ -319,6 +322,8 @@ class Generator:
         self.out_lp = torch.zeros(rows, max_len + 1, dtype=torch.float32, **kw)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, **kw)
         self.max_new = torch.ones(rows, dtype=torch.long, **kw)
+        self.src, self.plen = torch.arange(rows, dtype=torch.int32, **kw), torch.zeros(rows, dtype=torch.int32, **kw)
+        self.shared = None  # the host's copy of src[:B], plen[:B]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.buckets = [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows] if self.use_graphs else None
 
@@ -326,7 +331,7 @@ class Generator:
         """Release the KV cache, the static buffers and the CUDA graphs (and their memory pool)."""
         self.graphs.clear()  # a CUDAGraph frees its memory when it is dropped
         for name in ("cache", "tok", "lengths", "keys", "ngen", "done", "max_new", "out_tok", "out_lp", "stop_ids",
-                     "pool"):
+                     "src", "plen", "pool"):
             setattr(self, name, None)  # no gc.collect(): nothing here is in a cycle, and it took 0.25 s per step
         if self.device.type == "cuda":
             # graph capture re-creates cuBLAS workspaces (one per stream); drop them too, they come back on demand
@@ -344,7 +349,8 @@ class Generator:
 
     def _decode_step(self, B: int, L: int) -> None:
         tok, lengths, ngen, done = self.tok[:B], self.lengths[:B], self.ngen[:B], self.done[:B]
-        hidden = self.model(tok, lengths.long() - 1, AttnContext(cache=self.cache, lengths=lengths, max_seqlen=L))
+        ctx = AttnContext(cache=self.cache, lengths=lengths, max_seqlen=L, prefix=(self.src[:B], self.plen[:B]))
+        hidden = self.model(tok, lengths.long() - 1, ctx)
         nxt, lp = self._sample(self.model.logits(hidden), self.keys[:B], lengths.long())
         fused(_advance, nxt)(nxt, lp, self.out_tok[:B], self.out_lp[:B], tok, lengths, ngen, done, self.stop_ids,
                              self.max_new[:B], self.cache.max_len)
@@ -466,6 +472,7 @@ class Generator:
             # every row stays below L through the window: live rows grow from prompt + generated
             L = max(owner[r][2] + owner[r][3] for r in live) + steps
             L = self.cache.max_len if self.use_graphs else min(self.cache.max_len, L)
+            self._share_prompts(live, owner, B)
             for _ in range(steps):
                 self._step(B, L)
             self.stats["decode_steps"] += steps
@@ -490,6 +497,17 @@ class Generator:
 
     def _bucket(self, rows: int) -> int:
         return rows if self.buckets is None else next(b for b in self.buckets if b >= rows)
+
+    def _share_prompts(self, live: list[int], owner: list, B: int) -> None:
+        """Point each live row's prompt positions at the lowest live row of its prompt (every live sample of a
+        prompt holds its k/v there); rows done or idle read their own. Uploaded only when it changed."""
+        src, plen, first = list(range(B)), [0] * B, {}
+        for r in live:
+            if (s := first.setdefault(owner[r][0], r)) != r:
+                src[r], plen[r] = s, owner[r][2]
+        if self.shared != (src, plen):
+            self.src[:B], self.plen[:B] = torch.tensor(src), torch.tensor(plen)
+            self.shared = (src, plen)
 
     def _compact(self, live: list[int], owner: list) -> list[int]:
         """The tail: move live rows to the front when that lets a smaller decode (graph) run."""

@@ -1,7 +1,9 @@
-"""Tune model.py's flash-decoding kernel: GB/s of KV read per decode-attention call at RL shapes.
+"""Tune model.py's flash-decoding kernel: GB/s of KV read per decode-attention call at RL shapes, and the call
+with a GRPO group's prompt read from one row (8 rows share a 256-token prompt).
 
-    python benchmarks/bench_decode_attn.py
+    python benchmarks/bench_decode_attn.py [--no-sweep]
 """
+import argparse
 import itertools
 import os
 import sys
@@ -31,6 +33,9 @@ def timeit(fn, n=50):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-sweep", action="store_true", help="time the defaults only, without the config sweep")
+    args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     for name, (B, H, hkv, d) in SHAPES.items():
@@ -43,12 +48,19 @@ def main():
         ref = model.decode_attention(q.float(), kn.float(), vn.float(), k.float(), v.float(), lengths)
         base = timeit(lambda: model._flash_decode(q, kn, vn, k, v, lengths))
         rows.append(f"{name}: current {base:7.1f} us  {kv_bytes / base / 1e3:6.0f} GB/s  (KV {kv_bytes / 2**20:.0f} MiB)")
+        prefix = ((torch.arange(B, device="cuda") // 8 * 8).int(), torch.full((B,), 256, device="cuda", dtype=torch.int32))
+        shared = timeit(lambda: model._flash_decode(q, kn, vn, k, v, lengths, prefix))
+        rows.append(f"   prompt of 256 read from one row of 8: {shared:7.1f} us  ({base / shared:.2f}x; "
+                    f"{kv_bytes / shared / 1e3:6.0f} GB/s as if every row were read)")
+        if args.no_sweep:
+            continue
         best = []
         for block, warps, stages, sf in itertools.product((64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 4)):
+            kw = dict(block=block, warps=warps, stages=stages, split_factor=sf)
             try:
-                out = model._flash_decode(q, kn, vn, k, v, lengths, block, warps, stages, sf)
+                out = model._flash_decode(q, kn, vn, k, v, lengths, **kw)
                 err = (out.float() - ref).abs().max().item()
-                t = timeit(lambda: model._flash_decode(q, kn, vn, k, v, lengths, block, warps, stages, sf))
+                t = timeit(lambda: model._flash_decode(q, kn, vn, k, v, lengths, **kw))
             except Exception:  # noqa: BLE001 - a config that does not compile (shared memory)
                 continue
             best.append((t, block, warps, stages, sf, err))

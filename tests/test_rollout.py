@@ -213,6 +213,28 @@ def test_n_samples_share_one_prefill(model):
     assert small.stats["prefill_tokens"] == 36
 
 
+def test_samples_read_their_prompt_from_one_row(model, monkeypatch):
+    """Decode reads a prompt's k/v from one row for all its samples: with the other rows' copies overwritten by
+    noise after each prefill, greedy samples (which end together, so that row outlives them) are unchanged."""
+    prompts = rand_prompts((5, 9, 4, 12), seed=10)
+    greedy = SamplingParams(n=3, temperature=0, max_new_tokens=6)
+    want = Generator(model, max_rows=4).generate(prompts, dataclasses.replace(greedy, n=1))
+    prefill = Generator._prefill
+
+    def prefill_then_poison(self, chunk, *args):
+        prefill(self, chunk, *args)
+        for p, _, rows in chunk:
+            copies = self.cache.kv[:, rows[1:], :, :, :len(prompts[p])]
+            self.cache.kv[:, rows[1:], :, :, :len(prompts[p])] = torch.randn_like(copies) * 10
+    monkeypatch.setattr(Generator, "_prefill", prefill_then_poison)
+    gen = Generator(model, max_rows=5, sync_every=2)  # samples of a prompt split over admissions, rows refilled
+    got = gen.generate(prompts, greedy)
+    assert gen.stats["prefill_forwards"] >= 3
+    for c in got:
+        assert c.token_ids == want[c.prompt_index].token_ids, (c.prompt_index, c.sample_index)
+        assert max(abs(x - y) for x, y in zip(c.logprobs, want[c.prompt_index].logprobs)) <= 1e-5
+
+
 def test_errors_name_the_problem(model):
     gen = Generator(model, max_rows=2, max_len=16)
     with pytest.raises(ValueError, match="prompt 1 has 12 tokens.*max_new_tokens=8.*needs 20.*max_len=16"):
@@ -287,12 +309,14 @@ def test_cuda_graphs_match_eager_and_free_releases_memory(ckpt):
 
 
 @cuda
-@pytest.mark.parametrize("B,hkv,g,d,L,longest", [(256, 2, 7, 64, 768, 768), (1, 4, 7, 128, 2000, 2000),
-                                                 (5, 2, 2, 24, 37, 37), (3, 2, 7, 64, 8192, 300)])
-def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L, longest):
+@pytest.mark.parametrize("B,hkv,g,d,L,longest,shared", [(256, 2, 7, 64, 768, 768, False), (1, 4, 7, 128, 2000, 2000, False),
+                                                        (5, 2, 2, 24, 37, 37, False), (3, 2, 7, 64, 8192, 300, False),
+                                                        (256, 2, 7, 64, 768, 768, True), (6, 4, 7, 128, 3000, 3000, True)])
+def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L, longest, shared):
     """Rows of any length up to `longest` in a cache of L positions (the kernel splits each row by its length:
     in the last case most splits are empty); each row's new k/v are stored at its last position and used there
-    (row 0 has only that one: its output is v_new's, not the stale v's)."""
+    (row 0 has only that one: its output is v_new's, not the stale v's). `shared`: rows in pairs share a prompt,
+    the second row reading it from the first (its own prompt positions differ); the reference holds copies."""
     import model as M
     if not M.TRITON:
         pytest.skip("needs triton")
@@ -301,15 +325,70 @@ def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L, longest):
     q, kn, vn = torch.randn(B, hkv * (g + 2), d, device="cuda", dtype=torch.bfloat16).split([hkv * g, hkv, hkv], 1)
     lengths = torch.randint(1, longest + 1, (B,), device="cuda", dtype=torch.int32)
     lengths[0] = 1
-    k_ref, v_ref = k.float(), v.float()  # copies: the reference stores into these
-    got = M.decode_attention(q, kn, vn, k, v, lengths)
+    prefix, (k_ref, v_ref) = shared_prompt(k, v, lengths) if shared else (None, (k, v))
+    k_ref, v_ref = k_ref.float(), v_ref.float()  # copies: the reference stores into these
+    got = M.decode_attention(q, kn, vn, k, v, lengths, prefix)
     M.TRITON = False
     try:
         want = M.decode_attention(q.float(), kn.float(), vn.float(), k_ref, v_ref, lengths)
     finally:
         M.TRITON = True
     assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max().item() < 2e-2  # every row and head
+    if shared:  # each row's new k/v went to its own row, past its prompt
+        k, v = copy_prompts(k, prefix), copy_prompts(v, prefix)
     assert torch.equal(k.float(), k_ref) and torch.equal(v.float(), v_ref)  # stored at lengths - 1, nothing else
+
+
+def copy_prompts(cache, prefix):
+    """cache [B, Hkv, L, d] with row b's first plen[b] positions copied from row src[b], as the generator holds it."""
+    src, plen = prefix
+    shared = (torch.arange(cache.shape[2], device=cache.device)[None, :] < plen[:, None])[:, None, :, None]
+    return torch.where(shared, cache[src.long()], cache)
+
+
+def shared_prompt(k, v, lengths):
+    """Rows in pairs (2i, 2i+1) share a prompt shorter than both rows: prefix = (src, plen), and the caches with
+    the prompts copied."""
+    B = k.shape[0]
+    plen = (torch.rand(B // 2, device=k.device) * lengths.view(-1, 2).amin(1)).int().repeat_interleave(2)
+    prefix = ((torch.arange(B, device=k.device) // 2 * 2).int(), plen)
+    return prefix, [copy_prompts(t, prefix) for t in (k, v)]
+
+
+def test_decode_attention_reads_shared_prompt_positions_from_the_source_row():
+    """Row 2i+1's own prompt positions hold other values than row 2i's; with the prefix it reads row 2i's."""
+    import model as M
+    torch.manual_seed(1)
+    B, hkv, g, d, L = 6, 2, 3, 16, 40
+    k, v = torch.randn(2, B, hkv, L, d)
+    lengths = torch.randint(2, L + 1, (B,), dtype=torch.int32)
+    q, kn, vn = torch.randn(B, hkv * (g + 2), d).split([hkv * g, hkv, hkv], 1)
+    prefix, (k_copied, v_copied) = shared_prompt(k, v, lengths)
+    got = M.decode_attention(q, kn, vn, k, v, lengths, prefix)
+    want = M.decode_attention(q, kn, vn, k_copied, v_copied, lengths)
+    assert (prefix[1][1::2] > 0).all() and torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(M.decode_attention(q, kn, vn, k, v, lengths), want, atol=1e-2)  # the rows differ
+
+
+@cuda
+def test_decode_attention_kernel_addresses_rows_past_2_31_elements():
+    """Row b of a long cache starts b * row_stride elements in (256 rows of 20k positions pass 2^31): a row stride
+    under 2^31 is an int32 argument, so the kernel must widen the row index before the product."""
+    import model as M
+    if not M.TRITON:
+        pytest.skip("needs triton")
+    torch.manual_seed(0)
+    B, hkv, g, d, L, stride = 3, 2, 7, 64, 96, 2 ** 30 + 2 ** 20  # row 2 starts past 2^31 (a 4.3 GB buffer)
+    base = torch.zeros(2 * stride + 2 * hkv * L * d, device="cuda", dtype=torch.bfloat16)
+    k, v = (base.as_strided((B, hkv, L, d), (stride, L * d, d, 1), off) for off in (0, hkv * L * d))
+    k.copy_(torch.randn_like(k)), v.copy_(torch.randn_like(v))
+    q, kn, vn = torch.randn(B, hkv * (g + 2), d, device="cuda", dtype=torch.bfloat16).split([hkv * g, hkv, hkv], 1)
+    lengths = torch.tensor([L, 50, L], device="cuda", dtype=torch.int32)
+    k_ref, v_ref = k.float(), v.float()
+    got = M.decode_attention(q, kn, vn, k, v, lengths)
+    want = M.decode_attention(q.float(), kn.float(), vn.float(), k_ref, v_ref, lengths)  # fp32: the matmul path
+    assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max().item() < 2e-2
+    assert torch.equal(k.float(), k_ref) and torch.equal(v.float(), v_ref)
 
 
 @cuda
