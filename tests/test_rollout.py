@@ -309,9 +309,9 @@ def test_cuda_graphs_match_eager_and_free_releases_memory(ckpt):
 
 
 @cuda
-@pytest.mark.parametrize("B,hkv,g,d,L,longest,shared", [(256, 2, 7, 64, 768, 768, False), (1, 4, 7, 128, 2000, 2000, False),
-                                                        (5, 2, 2, 24, 37, 37, False), (3, 2, 7, 64, 8192, 300, False),
-                                                        (256, 2, 7, 64, 768, 768, True), (6, 4, 7, 128, 3000, 3000, True)])
+@pytest.mark.parametrize("B,hkv,g,d,L,longest,shared", [
+    (256, 2, 7, 64, 768, 768, False), (1, 4, 7, 128, 2000, 2000, False), (5, 2, 2, 24, 37, 37, False),
+    (3, 2, 7, 64, 8192, 300, False), (256, 2, 7, 64, 768, 768, True), (6, 4, 7, 128, 3000, 3000, True)])
 def test_decode_attention_kernel_matches_matmul(B, hkv, g, d, L, longest, shared):
     """Rows of any length up to `longest` in a cache of L positions (the kernel splits each row by its length:
     in the last case most splits are empty); each row's new k/v are stored at its last position and used there
@@ -381,7 +381,8 @@ def test_decode_attention_kernel_addresses_rows_past_2_31_elements():
     B, hkv, g, d, L, stride = 3, 2, 7, 64, 96, 2 ** 30 + 2 ** 20  # row 2 starts past 2^31 (a 4.3 GB buffer)
     base = torch.zeros(2 * stride + 2 * hkv * L * d, device="cuda", dtype=torch.bfloat16)
     k, v = (base.as_strided((B, hkv, L, d), (stride, L * d, d, 1), off) for off in (0, hkv * L * d))
-    k.copy_(torch.randn_like(k)), v.copy_(torch.randn_like(v))
+    for t in (k, v):
+        t.copy_(torch.randn_like(t))
     q, kn, vn = torch.randn(B, hkv * (g + 2), d, device="cuda", dtype=torch.bfloat16).split([hkv * g, hkv, hkv], 1)
     lengths = torch.tensor([L, 50, L], device="cuda", dtype=torch.int32)
     k_ref, v_ref = k.float(), v.float()
