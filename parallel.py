@@ -62,7 +62,8 @@ one reduce-scatter per bucket hands every rank the summed gradient of its part, 
 as soon as the backward (last layer first) has filled it, while the backward goes on. The ranks start
 these in one fixed order, so that all issue the same collectives in the same sequence; buckets holding TP
 partial sums or a tied embedding copy wait for their TP / embedding all-reduce after the backward. Each
-rank updates its parts and all-gathers them back into the weights."""
+rank updates its parts and all-gathers them back into the weights. A checkpoint all-gathers the state the
+same way and keeps it per parameter (`full_state`), so a run can resume under another layout."""
 from __future__ import annotations
 
 import math
@@ -684,38 +685,48 @@ class ShardedAdamW:
     def _publish(self) -> None:
         """All-gather the master parts into the compute parameters (cast to their dtype), bucket by bucket. The
         fp32 grad buffer is spent by now: its memory stages the gathered weights, and it is zeroed after."""
-        dtype, group = self.params[0].dtype, self.layout.dp_group
+        dtype = self.params[0].dtype
         full = self.grad_buffer.view(torch.uint8)[:self.grad_buffer.numel() * dtype.itemsize].view(dtype)
-        for (a, b), mine in zip(self.buckets, self.master.split(self.chunks)):
-            if group is None:
-                full[a:b].copy_(mine)  # the cast happens in the copy
-                continue
-            mine = mine.to(dtype)
-            if self.nccl:
-                _all_gather_flat(full[a:b], mine, group=group)
-            else:
-                dist.all_gather(list(full[a:b].chunk(self.layout.dp)), mine, group=group)
+        self._gather(self.master, full)
         views = [full[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
         torch._foreach_copy_(self.params, views)
         self.grad_buffer.zero_()
 
-    def state_dict(self) -> dict:
-        """This rank's parts: master weights, moments, step count, the owned ranges and the flat index."""
-        return {"step": self.step_count, "master": self.master, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq, "owned": self.owned, "index": self.index}
+    def _gather(self, parts: torch.Tensor, full: torch.Tensor) -> None:
+        """Every DP rank's parts of each bucket into the flat `full` (cast to its dtype)."""
+        group = self.layout.dp_group
+        for (a, b), mine in zip(self.buckets, parts.split(self.chunks)):
+            if group is None:
+                full[a:b].copy_(mine)
+            elif self.nccl:
+                _all_gather_flat(full[a:b], mine.to(full.dtype), group=group)
+            else:
+                dist.all_gather(list(full[a:b].chunk(self.layout.dp)), mine.to(full.dtype), group=group)
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore parts saved by the same layout; the master weights, the truth, are published."""
-        owned = [tuple(r) for r in state.get("owned", [])]
-        if state["index"] != self.index or owned != self.owned:
-            raise ValueError(f"optimizer state does not fit: saved for owned ranges {owned[:2]}.. ({len(owned)}) of "
-                             f"{len(state['index'])} parameters, this rank owns {self.owned[:2]}.. ({len(self.owned)}) "
-                             f"of {len(self.index)}; resume with the same model and (tp, pp, dp) layout")
-        self.step_count = int(state["step"])
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self, name).copy_(state[name])
-        with torch.no_grad():
-            self._publish()
+    STATES = ("master", "exp_avg", "exp_avg_sq")
+
+    def state_dict(self) -> dict:
+        """This rank's live state tensors (what offloading moves), and the step count."""
+        return {"step": self.step_count, **{name: getattr(self, name) for name in self.STATES}}
+
+    def full_state(self, name: str) -> dict[str, torch.Tensor]:
+        """One of STATES for every parameter of this rank, whole over DP and shaped like the parameter: the
+        layout-free form a checkpoint keeps. Views of the grad buffer (free between steps): copy them out
+        before the next zero_grad(), which clears them."""
+        self._gather(getattr(self, name), self.grad_buffer)
+        return {n: v for (n, _, _), v in zip(self.index, self.views)}
+
+    def load_full_state(self, name: str, tensors) -> None:
+        """The inverse: (parameter name, whole tensor) pairs, every parameter once, in any order; keeps this
+        rank's parts of them."""
+        views, seen = {n: v for (n, _, _), v in zip(self.index, self.views)}, set()
+        for n, t in tensors:
+            views[n].copy_(t)
+            seen.add(n)
+        if missing := set(views) - seen:
+            raise ValueError(f"optimizer state {name!r}: no values for {sorted(missing)[:3]}")
+        getattr(self, name).copy_(torch.cat(self.owned_grads))
+        self.grad_buffer.zero_()
 
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int = 0, schedule: str = "constant",
@@ -742,7 +753,7 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def shard_name(layout: Layout, with_dp: bool = False) -> str:
-    """File stem of a rank's shard: 'pp{p}_tp{t}' for model weights (identical over DP), with a 'dp{d}_'
-    prefix for optimizer state, which differs per DP rank."""
+    """File stem of a rank's shard: 'pp{p}_tp{t}' for weights and optimizer state (whole over DP), with a
+    'dp{d}_' prefix for what differs per DP rank (sampler, RNG)."""
     stem = f"pp{layout.pp_rank}_tp{layout.tp_rank}"
     return f"dp{layout.dp_rank}_{stem}" if with_dp else stem

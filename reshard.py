@@ -366,28 +366,30 @@ def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
 # ----------------------------------------------------------------------------- checkpoints and export
 
 
-def save_model_shard(model: Transformer, layout: Layout, ckpt_dir: str) -> None:
-    """Write this (pp, tp) coordinate's weights as model_pp{p}_tp{t}.safetensors (DP rank 0 only)."""
+def save_model_shard(model: Transformer, layout: Layout, ckpt_dir: str, tensors: dict | None = None,
+                     prefix: str = "model") -> None:
+    """Write this (pp, tp) coordinate's weights (or `tensors` named and shaped like them, e.g. an optimizer's
+    full_state) as {prefix}_pp{p}_tp{t}.safetensors (DP rank 0 only)."""
     if layout.dp_rank != 0:
         return
     from safetensors.torch import save_file
-    path = os.path.join(ckpt_dir, f"model_{shard_name(layout)}.safetensors")
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state(model).items()}, path + ".tmp",
+    path = os.path.join(ckpt_dir, f"{prefix}_{shard_name(layout)}.safetensors")
+    save_file({k: v.detach().contiguous().cpu() for k, v in (tensors or model_state(model)).items()}, path + ".tmp",
               metadata={"format": "pt"})
     os.replace(path + ".tmp", path)
 
 
 class _Checkpoint:
-    """Full HF-named tensors read out of a sharded checkpoint, one at a time."""
+    """Full HF-named tensors read out of a sharded checkpoint's {prefix}_pp*_tp* files, one at a time."""
 
-    def __init__(self, ckpt_dir: str):
+    def __init__(self, ckpt_dir: str, prefix: str = "model"):
         if not os.path.isfile(f := os.path.join(ckpt_dir, "meta.json")):
             raise FileNotFoundError(f"{ckpt_dir!r} is not a checkpoint directory (no meta.json)")
         self.meta = read_json(f)
         self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
         self.cfg = ModelConfig.from_hf(self.meta["model_config"], source=f)
         self.index = {}  # hf name -> (its stage's files, our name, tp_dim, its rows/columns in each shard)
-        stages = [[os.path.join(ckpt_dir, f"model_{shard_name(Layout(tp_rank=t, pp_rank=p))}.safetensors")
+        stages = [[os.path.join(ckpt_dir, f"{prefix}_{shard_name(Layout(tp_rank=t, pp_rank=p))}.safetensors")
                    for t in range(tp)] for p in range(pp)]
         if missing := [fn for files in stages for fn in files if not os.path.isfile(fn)]:
             raise FileNotFoundError(f"checkpoint {ckpt_dir!r} (tp={tp}, pp={pp}) lacks {missing}")
@@ -416,11 +418,10 @@ class _Checkpoint:
                 else torch.cat([f.get_slice(name)[(slice(None),) * dim + (rows,)] for f in files], dim))
 
 
-@torch.no_grad()
-def load_into(model: Transformer, ckpt_dir: str) -> None:
-    """Fill this rank's shard of `model` (any layout) from a checkpoint written under any other layout,
-    one full tensor at a time."""
-    ck = _Checkpoint(ckpt_dir)
+def read_shard(model: Transformer, ckpt_dir: str, prefix: str = "model"):
+    """(name, this rank's shard) of each of `model`'s parameters from a checkpoint's {prefix} files (weights,
+    or an optimizer state saved like them) written under any other layout, one full tensor at a time."""
+    ck = _Checkpoint(ckpt_dir, prefix)
     mine, theirs = dataclasses.asdict(model.cfg), dataclasses.asdict(ck.cfg)
     if diff := [k for k in mine if k != "raw" and mine[k] != theirs[k]]:
         raise ValueError(f"checkpoint {ckpt_dir!r} is a different model: " +
@@ -430,7 +431,15 @@ def load_into(model: Transformer, ckpt_dir: str) -> None:
         if (local := _sub(full, p.tp_dim, p.tp_parts, model.layout.tp, model.layout.tp_rank)).shape != p.shape:
             raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, "
                              f"model has {list(p.shape)}")
-        p.copy_(local)
+        yield name, local
+
+
+@torch.no_grad()
+def load_into(model: Transformer, ckpt_dir: str) -> None:
+    """Fill this rank's shard of `model` (any layout) from a checkpoint written under any other layout."""
+    params = dict(model.named_parameters())
+    for name, local in read_shard(model, ckpt_dir):
+        params[name].copy_(local)
 
 
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "added_tokens",

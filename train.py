@@ -58,7 +58,8 @@ from data import PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer
 from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipeline_forward_backward,
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
-from reshard import TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, save_model_shard
+from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
+                     save_model_shard)
 from rewards import load_reward_fn, score_batch
 from rollout import Generator, SamplingParams
 
@@ -707,15 +708,16 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "critic") if self.critic is not None else tmp)
         barrier()
-        save_model_shard(self.actor.model, lay, tmp)
-        if self.critic is not None:  # weights as shards too, so that another layout can read them back (load_into)
-            save_model_shard(self.critic.model, lay, os.path.join(tmp, "critic"))
-        state = {"step": self.step, "optim": self.actor.optim.state_dict(), "sampler": self.sampler.state_dict(),
-                 "kl_ctrl": self.kl_ctrl.state_dict(), "nonfinite_skips": self.nonfinite_skips,
+        for role, d in self._role_dirs(tmp):  # weights and Adam state as whole-over-DP shards: any layout reads them
+            save_model_shard(role.model, lay, d)
+            for name in ShardedAdamW.STATES:
+                save_model_shard(role.model, lay, d, role.optim.full_state(name), prefix=name)
+            role.optim.zero_grad()  # full_state staged its tensors in the grad buffer
+        state = {"step": self.step, "optim_steps": [r.optim.step_count for r, _ in self._role_dirs(tmp)],
+                 "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "nonfinite_skips": self.nonfinite_skips,
                  "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                          **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}}
-        if self.critic is not None:
-            state.update(critic_optim=self.critic.optim.state_dict())
         torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
         barrier()
         if self.rank == 0:
@@ -739,6 +741,10 @@ class Trainer:
                 shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
         barrier()
 
+    def _role_dirs(self, root: str) -> list:
+        """(role, its directory) of the trained roles in a checkpoint: the actor at the root, a critic in critic/."""
+        return [(self.actor, root)] + ([(self.critic, os.path.join(root, "critic"))] if self.critic is not None else [])
+
     def maybe_resume(self) -> None:
         """trainer.resume: never | auto (checkpoints/latest, if any) | PATH of a step_N directory."""
         r, root, lay = self.cfg.trainer.resume, os.path.join(self.out, "checkpoints"), self.layout
@@ -749,27 +755,25 @@ class Trainer:
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
         meta = read_json(os.path.join(path, "meta.json"))
-        load_into(self.actor.model, path)
-        if self.critic is not None:
-            load_into(self.critic.model, os.path.join(path, "critic"))
+        for role, d in self._role_dirs(path):
+            load_into(role.model, d)
+            for name in ShardedAdamW.STATES:
+                role.optim.load_full_state(name, read_shard(role.model, d, name))
         same = (meta["tp"], meta["pp"], meta["dp"]) == (lay.tp, lay.pp, lay.dp)
         mine = shard_name(lay, with_dp=True) if same else "dp0_pp0_tp0"  # another layout: rank 0's sampler, counters
         st = torch.load(os.path.join(path, f"state_{mine}.pt"), weights_only=False)
-        if same:
-            self.actor.optim.load_state_dict(st["optim"])
+        for (role, _), n in zip(self._role_dirs(path), st["optim_steps"]):
+            role.optim.step_count = n
+        if same:  # per-rank streams; another layout restarts them (the sampling noise is counter-based)
             rng = st["rng"]
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-            if self.critic is not None:
-                self.critic.optim.load_state_dict(st["critic_optim"])
-        else:  # another layout: the optimizers' shards do not map; rebuild them (fp32 master copies from the weights)
-            for role in filter(None, (self.actor, self.critic)):
-                role.optim = self._adamw(role.model, role.ocfg)
+        else:
             print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
-                  f"tp={lay.tp} pp={lay.pp} dp={lay.dp}: weights exact, Adam moments restarted", flush=True)
+                  f"tp={lay.tp} pp={lay.pp} dp={lay.dp}", flush=True)
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         self.nonfinite_skips, self.step = st.get("nonfinite_skips", 0), st["step"]

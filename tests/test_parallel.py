@@ -135,7 +135,7 @@ def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False, cuda
         res["norms"].append(opt.clip_grad_norm(MAX_NORM))
         opt.step()
     res["params"] = {n: p.detach().clone() for n, p in model_state(model).items()}
-    res["master_roundtrip"] = _state_roundtrip(opt)
+    res["master_roundtrip"], res["exp_avg"] = _state_roundtrip(opt)
     res["republished"] = all(torch.equal(p, res["params"][n]) for n, p in model_state(model).items())
     return _to_cpu(res)
 
@@ -149,10 +149,14 @@ def _to_cpu(x):
 
 
 def _state_roundtrip(opt):
-    sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state_dict().items()}
-    opt.master.zero_()
-    opt.load_state_dict(sd)
-    return torch.equal(opt.master, sd["master"]) and opt.step_count == sd["step"]
+    """Whole-over-DP state (what checkpoints keep) and back: each rank gets exactly its parts again."""
+    before = {n: getattr(opt, n).clone() for n in opt.STATES}
+    full = {n: {k: v.clone() for k, v in opt.full_state(n).items()} for n in opt.STATES}
+    opt.zero_grad()
+    for n in opt.STATES:
+        getattr(opt, n).zero_()
+        opt.load_full_state(n, full[n].items())
+    return all(torch.equal(getattr(opt, n), before[n]) for n in opt.STATES), full["exp_avg"]
 
 
 def _split_case(path, batch):
@@ -213,6 +217,7 @@ def reference(path, steps):
         out["norms"].append(torch.nn.utils.clip_grad_norm_(list(params.values()), MAX_NORM).item())
         opt.step()
     out["params"] = {n: p.detach().clone() for n, p in params.items()}
+    out["exp_avg"] = {n: opt.state[p]["exp_avg"].clone() for n, p in params.items()}
     out["init"] = {n: p.detach().clone() for n, p in load_model(path).named_parameters()}
     out["numel"] = sum(p.numel() for p in params.values())
     return out
@@ -266,6 +271,8 @@ def check_train_case(results, ref, tp, pp, tied):
             init = local_slice(ref["init"][full], tp_dim, parts, tp, t)
             assert rel_err(r["params"][name], want) <= 1e-5, (name, r["coords"], rel_err(r["params"][name], want))
             assert rel_err(want, init) > 1e-4, name  # the steps moved it: the comparison can fail
+            want = local_slice(ref["exp_avg"][full], tp_dim, parts, tp, t)  # Adam's first moment, whole over DP
+            assert rel_err(r["exp_avg"][name], want) <= 1e-4, (name, r["coords"], rel_err(r["exp_avg"][name], want))
     if tied and pp > 1:  # the two copies of the tied embedding stayed equal
         for t in range(tp):
             first, last = by_coord[(0, 0, t)]["params"], by_coord[(0, pp - 1, t)]["params"]
@@ -408,9 +415,8 @@ def test_optimizer_single_process(ckpts):
     backward()
     with pytest.raises(RuntimeError, match="more backward passes than expect_backwards"):
         backward()
-    bad = {**opt.state_dict(), "index": opt.index[1:]}
-    with pytest.raises(ValueError, match="same model and \\(tp, pp, dp\\) layout"):
-        opt.load_state_dict(bad)
+    with pytest.raises(ValueError, match="optimizer state 'exp_avg': no values for"):
+        opt.load_full_state("exp_avg", list(opt.full_state("exp_avg").items())[1:])
 
 
 def test_stage_layers_balance_the_lm_head():

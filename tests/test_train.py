@@ -255,19 +255,21 @@ def _run_rows(rank, world, synth, out, *extra):
 
 @pytest.mark.parametrize("algo", ["grpo", "gae"])
 def test_checkpoint_resumes_into_another_layout(small_synth, tmp_path, algo):
-    """Saved with tp=2 at step 1, resumed with dp=2: step 2 (one mini-batch, so its losses are computed before
-    any update) matches the uninterrupted tp=2 run within 1e-5. The weights (PPO: the critic's too, which
-    set the advantages and vf_loss) and sampler carry over exactly; Adam's moments restart in a new layout
-    (say so in the log), so later steps drift apart."""
+    """Saved with tp=2 at step 1, resumed with dp=2: steps 2 and 3 match the uninterrupted tp=2 run. Step 2
+    (one mini-batch, so its losses come before any update) checks the weights (PPO: the critic's too, which set
+    the advantages and vf_loss) and the sampler; step 3 follows an update made with the Adam state of step 1,
+    which must carry over too (restarted moments move the weights differently)."""
     tp2, ppo = str(tmp_path / "tp2"), algo == "gae"
-    full = helpers.run_distributed(_run_rows, 2, small_synth, tp2, "trainer.total_steps=2", "trainer.save_freq=1",
+    full = helpers.run_distributed(_run_rows, 2, small_synth, tp2, "trainer.total_steps=3", "trainer.save_freq=1",
+                                   "trainer.keep_last_k=3",
                                    "parallel.train.tp=2", f"algorithm.adv_estimator={algo}")[0]
-    dp2 = helpers.run_distributed(_run_rows, 2, small_synth, str(tmp_path / "dp2"), "trainer.total_steps=2",
+    dp2 = helpers.run_distributed(_run_rows, 2, small_synth, str(tmp_path / "dp2"), "trainer.total_steps=3",
                                   f"trainer.resume={tp2}/checkpoints/step_1", f"algorithm.adv_estimator={algo}")[0]
-    assert [r["step"] for r in dp2] == [2]
-    for k in ("actor/pg_loss", "critic/score/mean", "actor/entropy", "actor/ppo_kl", "response_length/mean",
-              *(("critic/vf_loss", "critic/advantages/max") if ppo else ())):
-        assert abs(dp2[0][k] - full[1][k]) <= 1e-5 * max(1.0, abs(full[1][k])), (k, dp2[0][k], full[1][k])
+    assert [r["step"] for r in dp2] == [2, 3]
+    for got, want in zip(dp2, full[1:]):
+        for k in ("actor/pg_loss", "critic/score/mean", "actor/entropy", "actor/ppo_kl", "response_length/mean",
+                  *(("critic/vf_loss", "critic/advantages/max") if ppo else ())):
+            assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (got["step"], k, got[k], want[k])
 
 
 DIE_ON_RANK_1 = """
