@@ -705,9 +705,23 @@ class ShardedAdamW:
 
     STATES = ("master", "exp_avg", "exp_avg_sq")
 
-    def state_dict(self) -> dict:
-        """This rank's live state tensors (what offloading moves), and the step count."""
-        return {"step": self.step_count, **{name: getattr(self, name) for name in self.STATES}}
+    def offload(self) -> None:
+        """Free this optimizer's device memory between steps (while the actor generates): the fp32 state goes to
+        (pinned) host memory and the grad buffer, all zeros then, is dropped. Only the storages are resized, so
+        every view of them stays valid for reload()."""
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t) for t in self._state()]
+        for t in (*self._state(), self.grad_buffer):
+            t.untyped_storage().resize_(0)
+
+    def reload(self) -> None:
+        for t in (*self._state(), self.grad_buffer):
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        torch._foreach_copy_(self._state(), self._host)
+        self.grad_buffer.zero_()
+        self._host = None
+
+    def _state(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.STATES]
 
     def full_state(self, name: str) -> dict[str, torch.Tensor]:
         """One of STATES for every parameter of this rank, whole over DP and shaped like the parameter: the

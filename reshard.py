@@ -166,16 +166,17 @@ def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_
 class Resharder:
     """Train <-> generation resharding of one actor. `with r.generation() as gen_model:` hands out a
     pp=1 Transformer in `r.gen_layout`; the training model must not be used inside the block (its
-    resharded tensors are released there). Collective: all ranks enter and leave together."""
+    resharded tensors are released there), and `offload_optimizers` (objects with offload() and reload(), e.g.
+    ShardedAdamW) hold no device memory inside it. Collective: all ranks enter and leave together."""
 
-    def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizer=None, seed: int = 0,
+    def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizers=(), seed: int = 0,
                  bucket_bytes: int = 1 << 30):
-        self.model, self.layout, self.optimizer = model, layout, offload_optimizer
+        self.model, self.layout, self.optimizers = model, layout, list(offload_optimizers)
         validate_layout(model.cfg, tp_g, 1, layout.world_size, name=f"rollout tp={tp_g}")
         self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
         self.gen_seed = seed * 100_003 + self.gen_layout.dp_rank + 1  # one stream per generation TP group
-        self._rng, self._held, self._offloaded, self.last_timing = {"train": None, "gen": None}, [], [], 0.0
+        self._rng, self._held, self.last_timing = {"train": None, "gen": None}, [], 0.0
         if len(dtypes := {p.dtype for p in model.parameters()}) != 1:
             raise ValueError(f"Resharder needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.dtype, self.device = dtypes.pop(), next(model.parameters()).device
@@ -221,7 +222,8 @@ class Resharder:
     @contextmanager
     def generation(self):
         t0 = time.perf_counter()
-        self._offload(True)
+        for opt in self.optimizers:  # their device memory goes to the KV cache while generating
+            opt.offload()
         self._swap_rng(to_generation=True)
         try:
             self._gather()
@@ -233,7 +235,8 @@ class Resharder:
             t1 = time.perf_counter()
             self._release()
             self._swap_rng(to_generation=False)
-            self._offload(False)
+            for opt in self.optimizers:
+                opt.reload()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.stats["exit_s"] = time.perf_counter() - t1
@@ -325,24 +328,6 @@ class Resharder:
         torch.set_rng_state(new[0])
         if cuda:
             torch.cuda.set_rng_state(new[1], self.device)
-
-    def _offload(self, out: bool) -> None:
-        """Move the optimizer's device state to CPU during generation and back: its offload()/reload() if
-        it has them, else swap the storage of the tensors its state_dict() returns."""
-        opt = self.optimizer
-        if opt is not None and hasattr(opt, "offload") and hasattr(opt, "reload"):
-            opt.offload() if out else opt.reload()
-        elif opt is not None and not out:
-            for t, dev in self._offloaded:
-                t.data = t.data.to(dev)
-            self._offloaded = []
-        elif opt is not None:
-            self._offloaded = [(t, t.device) for t in opt.state_dict().values() if torch.is_tensor(t) and t.is_cuda]
-            for t, _ in self._offloaded:
-                t.data = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-            if any(torch.is_tensor(t) and t.is_cuda for t in opt.state_dict().values()):
-                raise ValueError(f"offload_optimizer: {type(opt).__name__}.state_dict() returns copies of its "
-                                 "tensors; give it offload() and reload() methods")
 
 
 # ----------------------------------------------------------------------------- prompts in, completions out

@@ -113,6 +113,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     gradient_checkpointing: bool = False
+    offload_optimizer: bool = False     # Adam state and grad buffer (the critic's too) off the GPU while generating
 
 
 @dataclass
@@ -481,7 +482,8 @@ class Trainer:
         self.train_data = PromptDataset(d.train_files, *ds)
         self.val_data = PromptDataset(d.val_files, *ds) if d.val_files else None
         self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
-        self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, seed=cfg.trainer.seed)
+        offload = [r.optim for r in (self.actor, self.critic) if r is not None] if a.offload_optimizer else []
+        self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, offload, seed=cfg.trainer.seed)
         self.step, self.nonfinite_skips = 0, 0
 
     def _role(self, path: str, ocfg: OptimConfig | None, value_head: bool = False) -> Role:

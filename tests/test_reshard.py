@@ -163,9 +163,8 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
     out = {}
     for tp_g in tp_gs:
         opt = CountingOptimizer() if tp_g == tp_gs[0] else ShardedAdamW(model, lay)
-        opt_before = None if isinstance(opt, CountingOptimizer) else {
-            k: v.clone() for k, v in opt.state_dict().items() if torch.is_tensor(v)}
-        r = Resharder(model, lay, tp_g, offload_optimizer=opt, seed=7, bucket_bytes=48 << 10)
+        opt_before = None if isinstance(opt, CountingOptimizer) else [t.clone() for t in opt._state()]
+        r = Resharder(model, lay, tp_g, offload_optimizers=[opt], seed=7, bucket_bytes=48 << 10)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
         torch.manual_seed(100 + rank)
@@ -176,6 +175,8 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
             with r.generation() as gm:
                 gl = r.gen_layout
                 held = held_bytes(model, gm)
+                if not isinstance(opt, CountingOptimizer):  # offloaded: no storage left where it lived
+                    assert all(t.untyped_storage().nbytes() == 0 for t in (*opt._state(), opt.grad_buffer))
                 assert (gm is model) == (tp_g == tp and pp == 1)
                 for name, p in gm.named_parameters():  # the generation shard, exactly
                     assert torch.equal(p, slice_full(full, gm.hf_names(name), p.tp_dim, tp_g, gl.tp_rank)), name
@@ -197,7 +198,8 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
         if isinstance(opt, CountingOptimizer):
             assert opt.calls == ["offload", "reload"] * 2
         else:
-            assert all(torch.equal(v, opt.state_dict()[k]) for k, v in opt_before.items())
+            assert all(torch.equal(a, b) for a, b in zip(opt._state(), opt_before))
+            assert opt.grad_buffer.abs().max() == 0
         res.update(stats=dict(r.stats), held0=held0, gen_ranks=r.gen_layout.tp_ranks,
                    unmoved=sum(p.data_ptr() == ptrs[n] for n, p in model.named_parameters()),
                    train_bytes=sum(p.numel() * 4 for n, p in model.named_parameters()
