@@ -516,6 +516,8 @@ class ShardedAdamW:
     full fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation of
     bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
 
+    STATES = ("master", "exp_avg", "exp_avg_sq")  # this rank's fp32 parts: weights and Adam's two moments
+
     def __init__(self, model: nn.Module, layout: Layout, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, bucket_size: int = 40_000_000):
         self.layout, self.lr, self.betas, self.eps, self.weight_decay = layout, lr, tuple(betas), eps, weight_decay
@@ -702,8 +704,6 @@ class ShardedAdamW:
                 _all_gather_flat(full[a:b], mine.to(full.dtype), group=group)
             else:
                 dist.all_gather(list(full[a:b].chunk(self.layout.dp)), mine.to(full.dtype), group=group)
-
-    STATES = ("master", "exp_avg", "exp_avg_sq")
 
     def offload(self) -> None:
         """Free this optimizer's device memory between steps (while the actor generates): the fp32 state goes to

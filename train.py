@@ -493,10 +493,8 @@ class Trainer:
         if ocfg is None:
             return Role(m.requires_grad_(False), None, None)
         m.gradient_checkpointing = self.cfg.actor.gradient_checkpointing
-        return Role(m, self._adamw(m, ocfg), ocfg)
-
-    def _adamw(self, model, ocfg: OptimConfig) -> ShardedAdamW:
-        return ShardedAdamW(model, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas), weight_decay=ocfg.weight_decay)
+        return Role(m, ShardedAdamW(m, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas),
+                                    weight_decay=ocfg.weight_decay), ocfg)
 
     # --- generation
     def generate(self, items: list[dict], temperature: float, n: int, seed: int):
