@@ -400,7 +400,7 @@ def test_optimizer_single_process(ckpts):
     assert opt.numel == n and sum(x.numel() for x in (opt.master, opt.exp_avg, opt.exp_avg_sq)) == 3 * n
     # the flat buffer holds exactly the parameters, each once
     assert sorted(name for name, _, _ in opt.index) == sorted(name for name, _ in model.named_parameters())
-    # a second optimizer of the same model takes over the gradient hooks (resume into another layout)
+    # a second optimizer of the same model takes over the gradient hooks
     opt = ShardedAdamW(model, make_layout(1, 1), **HP)
     ids = torch.randint(0, V, (7,))
 
@@ -417,6 +417,21 @@ def test_optimizer_single_process(ckpts):
         backward()
     with pytest.raises(ValueError, match="optimizer state 'exp_avg': no values for"):
         opt.load_full_state("exp_avg", list(opt.full_state("exp_avg").items())[1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_frees_the_device_memory_and_restores_the_state(ckpts):
+    opt = ShardedAdamW(load_model(ckpts["qwen2"], device="cuda"), make_layout(1, 1), **HP)
+    opt.exp_avg.normal_()
+    opt.exp_avg_sq.uniform_()
+    before = [t.clone() for t in opt._state()]
+    tensors = (*opt._state(), opt.grad_buffer)
+    held = torch.cuda.memory_allocated()
+    opt.offload()
+    assert held - torch.cuda.memory_allocated() >= sum(t.numel() * 4 for t in tensors)  # 16 bytes a parameter
+    assert all(h.is_pinned() for h in opt._host)
+    opt.reload()
+    assert all(torch.equal(a, b) for a, b in zip(opt._state(), before)) and opt.grad_buffer.abs().max() == 0
 
 
 def test_stage_layers_balance_the_lm_head():
