@@ -172,4 +172,3 @@ def test_cuda_attention_backends_match_sdpa_forward_and_backward(hkv):
             assert rel_err(a.float(), b) < 2e-2, backend
         ran += 1
     assert ran >= 1
-
