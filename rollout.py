@@ -150,8 +150,7 @@ if TRITON:
 
     @triton.jit
     def _uniform(row, ids):
-        """gumbel()'s u = ((h >> 9) + 0.5) * 2^-23 for token ids at a row's hash, built from the bits without an
-        int-to-float conversion: the float 1 + (h >> 9) * 2^-23 minus 1 - 2^-24 (exact)."""
+        """gumbel()'s u for token ids at a row's hash, from the bits: the float 1 + (h >> 9) 2^-23 less 1 - 2^-24."""
         h = _fmix32_tl(row ^ _fmix32_tl(ids * 0x9E3779B1 + 0x165667B1))
         return ((h >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 0.99999994039535522
 
@@ -165,8 +164,7 @@ if TRITON:
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
         and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
         argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log
-        is the hardware's approximate log2 (E / ln 2 has the same argmin): tl.log's polynomial made the kernel
-        compute-bound, 1.7x slower."""
+        is lg2.approx (E / ln 2: the same argmin); tl.log's polynomial and a division by T made it 1.7x slower."""
         b, c = tl.program_id(0), tl.program_id(1)
         i = c * CHUNK + tl.arange(0, CHUNK)
         z = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf")).to(tl.float32) * inv_temperature
