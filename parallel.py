@@ -565,6 +565,7 @@ class ShardedAdamW:
         for p, i in zip(self.params, which):
             self.counts[i] += p.requires_grad
         self._reset()
+        self._host = self._copied = None  # offload()'s host copy of the state; the event that ends prefetch()'s copies
         for h in getattr(model, "_sharded_adamw_hooks", []):  # a new optimizer of this model replaces the old
             h.remove()
         model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(self._hook(v, i))
@@ -610,6 +611,7 @@ class ShardedAdamW:
         self.need, self.arrived, self.launched, self.works = None, [0] * len(self.buckets), 0, []
 
     def zero_grad(self) -> None:
+        self._wait()
         self.grad_buffer.zero_()
         self._reset()
 
@@ -709,16 +711,39 @@ class ShardedAdamW:
         """Free this optimizer's device memory between steps (while the actor generates): the fp32 state goes to
         (pinned) host memory and the grad buffer, all zeros then, is dropped. Only the storages are resized, so
         every view of them stays valid for reload()."""
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t) for t in self._state()]
+        if self._host is None:  # else the state never came back since the last offload: the host copy is current
+            self._wait()
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t) for t in self._state()]
         for t in (*self._state(), self.grad_buffer):
             t.untyped_storage().resize_(0)
 
     def reload(self) -> None:
+        """Give the state its device memory back. The copies wait for prefetch(), or for the next zero_grad(),
+        offload() or checkpoint call, which makes them."""
         for t in (*self._state(), self.grad_buffer):
             t.untyped_storage().resize_(t.numel() * t.element_size())
-        torch._foreach_copy_(self._state(), self._host)
         self.grad_buffer.zero_()
-        self._host = None
+
+    def prefetch(self) -> None:
+        """Start reload()'s host-to-device copies on a side stream without blocking the host, so that they run under
+        the next forward passes. Call it once those passes' inputs are on the device: a copy engine takes copies in
+        order, and an input copy queued behind gigabytes of state would hold the passes back until it is done."""
+        if self._host is None:
+            return
+        side = torch.cuda.Stream(self.master.device) if self.master.is_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the storages were allocated on the current stream
+        with torch.cuda.stream(side):  # a no-op context on CPU
+            torch._foreach_copy_(self._state(), self._host, non_blocking=True)
+            self._copied = side.record_event() if side is not None else None
+        self._host = None  # a pinned block is reused only once the copies that read it are done
+
+    def _wait(self) -> None:
+        """Order the current stream after reload()'s copies (starting them if nothing did)."""
+        self.prefetch()
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+            self._copied = None
 
     def _state(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.STATES]
@@ -727,12 +752,14 @@ class ShardedAdamW:
         """One of STATES for every parameter of this rank, whole over DP and shaped like the parameter: the
         layout-free form a checkpoint keeps. Views of the grad buffer (free between steps): copy them out
         before the next zero_grad(), which clears them."""
+        self._wait()
         self._gather(getattr(self, name), self.grad_buffer)
         return {n: v for (n, _, _), v in zip(self.index, self.views)}
 
     def load_full_state(self, name: str, tensors) -> None:
         """The inverse: (parameter name, whole tensor) pairs, every parameter once, in any order; keeps this
         rank's parts of them."""
+        self._wait()
         views, seen = {n: v for (n, _, _), v in zip(self.index, self.views)}, set()
         for n, t in tensors:
             views[n].copy_(t)

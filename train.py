@@ -571,6 +571,8 @@ class Trainer:
             return hidden.new_zeros(()), {"out": out}
         mbs = dp_micro_batches(batch.prompts, batch.responses, list(range(len(batch))),
                                self.cfg.actor.max_tokens_per_micro_batch, lay.dp, lay.dp_rank, self.device)
+        if role.optim is not None:  # its offloaded Adam state comes back under these passes (inputs copied first)
+            role.optim.prefetch()
         role.model.eval()
         with torch.no_grad():
             outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)

@@ -431,6 +431,8 @@ def test_offload_frees_the_device_memory_and_restores_the_state(ckpts):
     assert held - torch.cuda.memory_allocated() >= sum(t.numel() * 4 for t in tensors)  # 16 bytes a parameter
     assert all(h.is_pinned() for h in opt._host)
     opt.reload()
+    opt.prefetch()  # the copies, on a side stream
+    opt.zero_grad()  # waits for them
     assert all(torch.equal(a, b) for a, b in zip(opt._state(), before)) and opt.grad_buffer.abs().max() == 0
 
 

@@ -198,6 +198,7 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
         if isinstance(opt, CountingOptimizer):
             assert opt.calls == ["offload", "reload"] * 2
         else:
+            opt.zero_grad()  # the state's copies back wait for the optimizer's next use
             assert all(torch.equal(a, b) for a, b in zip(opt._state(), opt_before))
             assert opt.grad_buffer.abs().max() == 0
         res.update(stats=dict(r.stats), held0=held0, gen_ranks=r.gen_layout.tp_ranks,
