@@ -378,7 +378,7 @@ class Generator:
         self.graphs[key] = graph
         self.stats["graphs_captured"] += 1
 
-    def _prefill(self, chunk: list, prompts: list[list[int]], seed: int, max_new: list[int]) -> None:
+    def _prefill(self, chunk: list, prompts: list[list[int]], streams: list, max_new: list[int]) -> None:
         """Prefill chunk = [(prompt_index, sample_indices, rows)] in one packed forward; sample first tokens."""
         dev, lens = self.device, [len(prompts[p]) for p, _, _ in chunk]
         ids = torch.tensor([t for p, _, _ in chunk for t in prompts[p]], dtype=torch.long).to(dev)
@@ -393,7 +393,7 @@ class Generator:
         which = [i for i, (_, s, _) in enumerate(chunk) for _ in s]
         rows = torch.tensor([r for _, _, rs in chunk for r in rs], device=dev)
         plen = torch.tensor([lens[i] for i in which], device=dev)
-        keys = torch.tensor([sample_key(seed, p, j) for p, s, _ in chunk for j in s], device=dev)
+        keys = torch.tensor([sample_key(*streams[p], j) for p, s, _ in chunk for j in s], device=dev)
         nxt, lp = self._sample(logits[torch.tensor(which, device=dev)], keys, plen)
         limit = torch.tensor([max_new[p] for p, s, _ in chunk for _ in s], device=dev)
         self.tok[rows], self.lengths[rows], self.keys[rows], self.max_new[rows] = nxt, (plen + 1).int(), keys, limit
@@ -404,10 +404,12 @@ class Generator:
 
     # --- the driver
     def generate(self, prompts: list[list[int]], params: SamplingParams, eos_token_ids=(),
-                 progress: bool = False, max_new_tokens: list[int] | None = None) -> list[Completion]:
+                 progress: bool = False, max_new_tokens: list[int] | None = None,
+                 seeds: list[int] | None = None) -> list[Completion]:
         """Sample params.n completions of every prompt; returned prompt-major (prompt 0 samples 0..n-1,
         prompt 1, ...). Token ids include the stop token that ended a completion. `max_new_tokens`
-        optionally overrides params.max_new_tokens per prompt."""
+        optionally overrides params.max_new_tokens per prompt. Prompt p's draws are keyed by (params.seed, p);
+        with per-request `seeds` by (seeds[p]) alone, so they do not depend on the rest of the batch."""
         params.check()
         if not prompts:
             return []
@@ -415,6 +417,9 @@ class Generator:
         if len(max_new) != len(prompts) or not all(isinstance(m, int) and m >= 1 for m in max_new):
             raise ValueError(f"max_new_tokens: expected {len(prompts)} ints >= 1 (one per prompt), "
                              f"got {max_new_tokens!r}")
+        if seeds is not None and (len(seeds) != len(prompts) or not all(isinstance(x, int) for x in seeds)):
+            raise ValueError(f"seeds: expected {len(prompts)} ints (one per prompt), got {seeds!r}")
+        streams = [(params.seed, p) for p in range(len(prompts))] if seeds is None else [(x, -1) for x in seeds]
         V = self.model.cfg.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -441,9 +446,10 @@ class Generator:
         self.done.fill_(True)
         self.lengths.fill_(1)
         with torch.no_grad():
-            return self._run(prompts, params, max_new, set(stops), progress)
+            return self._run(prompts, params, max_new, set(stops), progress, streams)
 
-    def _run(self, prompts, params: SamplingParams, max_new: list[int], stops: set, progress: bool) -> list[Completion]:
+    def _run(self, prompts, params: SamplingParams, max_new: list[int], stops: set, progress: bool,
+             streams: list) -> list[Completion]:
         n, R = params.n, self.cache.rows
         admitted, total = 0, len(prompts) * n  # samples are admitted prompt-major: (p, s) is number p * n + s
         owner: list = [None] * R  # row -> (prompt, sample, prompt length, tokens generated as of the last sync)
@@ -458,7 +464,7 @@ class Generator:
                 p, s0 = divmod(admitted, n)
                 k = min(n - s0, len(free))
                 if chunk and tokens + len(prompts[p]) > self.max_prefill_tokens:
-                    self._prefill(chunk, prompts, params.seed, max_new)
+                    self._prefill(chunk, prompts, streams, max_new)
                     chunk, tokens = [], 0
                 chunk.append((p, list(range(s0, s0 + k)), free[:k]))
                 tokens += len(prompts[p])
@@ -467,7 +473,7 @@ class Generator:
                 free = free[k:]
                 admitted += k
             if chunk:
-                self._prefill(chunk, prompts, params.seed, max_new)
+                self._prefill(chunk, prompts, streams, max_new)
             if not (live := [r for r in range(R) if owner[r] is not None]):
                 break
             if admitted == total:

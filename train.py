@@ -501,14 +501,14 @@ class Trainer:
         ro, R = self.cfg.rollout, self.cfg.data.max_response_length
         with self.resharder.generation() as gen_model:
             mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
-            # the generator hashes (seed, local prompt index, ...): shift the seed by the replica's offset
-            params = SamplingParams(n=n, temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=R,
-                                    seed=seed + 1_000_003 * offset)
+            params = SamplingParams(n=n, temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=R)
             gen = Generator(gen_model, max_rows=ro.max_rows, max_len=self.cfg.data.max_prompt_length + R,
                             kv_cache_tokens=ro.kv_cache_tokens or None, gpu_memory_fraction=ro.gpu_memory_fraction,
                             use_cuda_graphs=ro.use_cuda_graphs)
             try:
-                done = gen.generate(mine, params, eos_token_ids=self.eos_ids)
+                # a seed per prompt from its index in the whole batch: the samples do not depend on the replicas
+                done = gen.generate(mine, params, eos_token_ids=self.eos_ids,
+                                    seeds=[seed * 1_000_003 + offset + i for i in range(len(mine))])
             finally:
                 gen.free()
             return collect_results(done, offset, self.resharder.gen_layout)

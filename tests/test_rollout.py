@@ -213,6 +213,21 @@ def test_n_samples_share_one_prefill(model):
     assert small.stats["prefill_tokens"] == 36
 
 
+def test_per_request_seeds_do_not_depend_on_the_batch(model):
+    """With seeds, a prompt's samples are the same whatever else is in the batch and wherever it stands; without,
+    the draws are keyed by the prompt's index, so the same prompt moved in the batch draws differently."""
+    prompts = rand_prompts((5, 9, 4), seed=12)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=1)
+    gen = Generator(model, max_rows=4)
+    whole = tokens(gen.generate(prompts, params, seeds=[11, 22, 33]))
+    alone = tokens(gen.generate([prompts[2], prompts[0]], params, seeds=[33, 11]))
+    assert alone == whole[6:9] + whole[0:3]
+    assert tokens(gen.generate(prompts, params, seeds=[11, 22, 34]))[6:9] != whole[6:9]
+    assert tokens(gen.generate([prompts[2]], params))[0:3] != tokens(gen.generate(prompts, params))[6:9]
+    with pytest.raises(ValueError, match="seeds: expected 3 ints"):
+        gen.generate(prompts, params, seeds=[1, 2])
+
+
 def test_samples_read_their_prompt_from_one_row(model, monkeypatch):
     """Decode reads a prompt's k/v from one row for all its samples: with the other rows' copies overwritten by
     noise after each prefill, greedy samples (which end together, so that row outlives them) are unchanged."""

@@ -147,6 +147,14 @@ def test_layouts_agree_with_dp2(synth, tmp_path, layout):
         assert abs(dp[0][k] - other[0][k]) <= 1e-5 * max(1.0, abs(dp[0][k])), (k, dp[0][k], other[0][k])
 
 
+def test_samples_do_not_depend_on_the_number_of_replicas(synth, tmp_path):
+    """Each prompt's seed comes from its index in the whole batch: one process draws what two replicas draw."""
+    one = helpers.run_distributed(_first_step, 1, synth, str(tmp_path / "one"), [])
+    two = helpers.run_distributed(_first_step, 2, synth, str(tmp_path / "two"), [])
+    for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy"):
+        assert abs(one[0][k] - two[0][k]) <= 1e-5 * max(1.0, abs(one[0][k])), (k, one[0][k], two[0][k])
+
+
 def _stable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
