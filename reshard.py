@@ -352,10 +352,10 @@ def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
 
 
 def save_model_shard(model: Transformer, layout: Layout, ckpt_dir: str, tensors: dict | None = None,
-                     prefix: str = "model") -> None:
+                     prefix: str = "model", writer: int = 0) -> None:
     """Write this (pp, tp) coordinate's weights (or `tensors` named and shaped like them, e.g. an optimizer's
-    full_state) as {prefix}_pp{p}_tp{t}.safetensors (DP rank 0 only)."""
-    if layout.dp_rank != 0:
+    full_state) as {prefix}_pp{p}_tp{t}.safetensors; only DP rank `writer` writes (the others hold the same)."""
+    if layout.dp_rank != writer:
         return
     from safetensors.torch import save_file
     path = os.path.join(ckpt_dir, f"{prefix}_{shard_name(layout)}.safetensors")

@@ -710,10 +710,12 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "critic") if self.critic is not None else tmp)
         barrier()
-        for role, d in self._role_dirs(tmp):  # weights and Adam state as whole-over-DP shards: any layout reads them
-            save_model_shard(role.model, lay, d)
-            for name in ShardedAdamW.STATES:
-                save_model_shard(role.model, lay, d, role.optim.full_state(name), prefix=name)
+        # weights and Adam state as whole-over-DP shards, so any layout reads them; every DP rank holds them
+        # after full_state's gather, so the files go round-robin over the DP ranks, which write in parallel
+        files = [(role, d, name) for role, d in self._role_dirs(tmp) for name in ("model", *ShardedAdamW.STATES)]
+        for i, (role, d, name) in enumerate(files):
+            tensors = None if name == "model" else role.optim.full_state(name)
+            save_model_shard(role.model, lay, d, tensors, prefix=name, writer=i % lay.dp)
             role.optim.zero_grad()  # full_state staged its tensors in the grad buffer
         state = {"step": self.step, "optim_steps": [r.optim.step_count for r, _ in self._role_dirs(tmp)],
                  "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),

@@ -282,6 +282,36 @@ def test_checkpoint_resumes_into_another_layout(small_synth, tmp_path, algo):
             assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (got["step"], k, got[k], want[k])
 
 
+def _save_with_spy(rank, world, synth, out):
+    """Three steps under dp=2, saving each; returns (the files this rank wrote, rank 0's metrics)."""
+    real, wrote = train.save_model_shard, []
+
+    def spy(model, layout, d, tensors=None, prefix="model", writer=0):
+        wrote.extend([prefix] if layout.dp_rank == writer else [])
+        return real(model, layout, d, tensors, prefix, writer)
+    train.save_model_shard = spy
+    try:
+        return wrote, _run_rows(rank, world, synth, out, "trainer.total_steps=3", "trainer.save_freq=1",
+                                "trainer.keep_last_k=3")
+    finally:
+        train.save_model_shard = real
+
+
+def test_dp_ranks_share_the_checkpoint_writes(small_synth, tmp_path):
+    """Under dp=2 the four files of a checkpoint (weights, master, two moments) are written two by each rank, and a
+    single process resumed from step 1 repeats steps 2 and 3 of the dp=2 run (the samples do not depend on the
+    layout; step 3 follows an update with the Adam moments that the two ranks wrote)."""
+    dp2 = str(tmp_path / "dp2")
+    (w0, rows), (w1, _) = helpers.run_distributed(_save_with_spy, 2, small_synth, dp2)
+    assert (w0, w1) == (["model", "exp_avg"] * 3, ["master", "exp_avg_sq"] * 3)
+    one = run(small_synth, str(tmp_path / "one"), "trainer.total_steps=3", "trainer.test_freq=-1",
+              "actor.ppo_mini_batch_size=32", f"trainer.resume={dp2}/checkpoints/step_1")
+    assert [r["step"] for r in one] == [2, 3]
+    for got, want in zip(one, rows[1:]):
+        for k in ("actor/pg_loss", "critic/score/mean", "actor/entropy", "actor/ppo_kl", "actor/grad_norm"):
+            assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (got["step"], k, got[k], want[k])
+
+
 DIE_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {root!r})
