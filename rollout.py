@@ -29,10 +29,10 @@ covering every row until the next check.
 **Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1) draws, argmax_i
 (z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no running sum over the
 vocabulary, only a max, the same reduction as greedy decoding (which is g = 0). The noise is counter-based: g for
-token id i at position t of sample (p, j) is a hash of (seed, p, j, t, i), so a draw depends on neither the batch
-composition, the row, the cache size nor tp, and TP ranks agree without talking. Each rank reduces its slice of the
-logits [B, V/tp] to (best z + g, its id, z there, logsumexp z) in one fused pass; one all-gather of those [B, 4]
-picks the winner and gives the log-prob.
+token id i at position t of sample (p, j) is a hash of (seed, p, j, t, i), or of (seeds[p], j, t, i) with per-request
+seeds, so a draw depends on neither the row, the cache size, tp nor (with seeds) the rest of the batch, and TP ranks
+agree without talking. Each rank reduces its slice of the logits [B, V/tp] to (best z + g, its id, z there,
+logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner and gives the log-prob.
 
 * top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of those
   candidates lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (as transformers
