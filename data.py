@@ -1,34 +1,29 @@
 """Prompts in, micro-batches out: the data side of RL post-training.
 
-**The dataset format** is verl's parquet layout, one prompt per row: `prompt` holds the chat
-messages (`{"role", "content"}` dicts, or a plain string sent as one user message), `data_source`
-tells the reward function how to score it, `reward_model.ground_truth` is what the scorer compares
-against, `extra_info` is free-form; other columns (`ability`, ...) are carried along. The messages
-rendered through the chat template, generation prompt appended, are the ids the policy continues.
+**The dataset format** is verl's parquet layout, one prompt per row: `prompt` holds the chat messages (`{"role",
+"content"}` dicts, or a plain string sent as one user message), `data_source` tells the reward function how to score
+it, `reward_model.ground_truth` is what the scorer compares against, `extra_info` is free-form; other columns
+(`ability`, ...) are carried along. The policy continues the chat-template rendering, generation prompt appended.
 
-**One tokenized copy per node.** Tokenizing a large dataset takes minutes, and eight ranks per node
-would hold eight copies. So the first process tokenizes everything once into an Arrow IPC file that
-every rank memory-maps: the page cache holds one shared copy, and reopening costs milliseconds. The
-file's name hashes all that decides its contents (the data files' bytes, the tokenizer's vocabulary
-and chat template, the length settings), so any change builds a new file rather than reusing a stale
-one. Whoever creates the lock file (O_CREAT|O_EXCL is atomic) builds to a temporary name and renames
-it into place while the rest wait; no torch.distributed needed. A file that fails to validate is
-rebuilt; a dead builder's lock is detected by its pid (or times out).
+**One tokenized copy per node.** Tokenizing a large dataset takes minutes, and eight ranks per node would hold eight
+copies. So the first process tokenizes everything once into an Arrow IPC file that every rank memory-maps: the page
+cache holds one shared copy, and reopening costs milliseconds. The file's name hashes all that decides its contents
+(the data files' bytes, the tokenizer's vocabulary and chat template, the length settings), so any change builds a
+new file rather than reusing a stale one. Whoever creates the lock file (O_CREAT|O_EXCL is atomic) builds to a
+temporary name and renames it into place while the rest wait; no torch.distributed needed. A file that fails to
+validate is rebuilt; a dead builder's lock is detected by its pid (or times out).
 
-**Sampling.** A fresh permutation per epoch from (seed, epoch), the tail too short for a batch
-dropped; the state is just (epoch, position), so a resumed run draws exactly the batches it would
-have drawn, also at an epoch boundary.
+**Sampling.** A fresh permutation per epoch from (seed, epoch), the tail too short for a batch dropped; the state is
+just (epoch, position), so a resumed run draws exactly the batches it would have drawn, also at an epoch boundary.
 
-**Packing.** Log-probs and updates run on unpadded concatenated sequences (`packed_inputs`) in
-micro-batches of at most `max_tokens` tokens. Data-parallel ranks should get about equal work (all
-wait for the slowest at the gradient all-reduce) and exactly equal micro-batch counts (collectives
-and the pipeline schedule run in lock-step). Greedy LPT (longest first, each to the least-loaded
-rank) splits sequences over k ranks; by Graham's bound its largest load is at most (4/3 - 1/(3k))
-times optimal, and at most mean load + longest sequence. Each rank packs first-fit decreasing, and
-ranks with fewer micro-batches split their fullest ones (or add empty ones) until counts agree.
-Work is token count: attention's quadratic term is small while sequences are short next to the width.
-`micro_batch` packs a micro-batch's rows (prompt + response ids) and records where each response token
-lands in the [rows, R] tensors (`scatter_rows` puts per-token results back there)."""
+**Packing.** Log-probs and updates run on unpadded concatenated sequences (`packed_inputs`) in micro-batches of at
+most `max_tokens` tokens. Data-parallel ranks should get about equal work (all wait for the slowest at the gradient
+all-reduce) and exactly equal micro-batch counts (collectives and the pipeline schedule run in lock-step). Greedy LPT
+(longest first, each to the least-loaded rank) splits sequences over k ranks; by Graham's bound its largest load is
+at most (4/3 - 1/(3k)) times optimal, and at most mean load + longest sequence. Each rank packs first-fit decreasing,
+and ranks with fewer micro-batches split their fullest ones (or add empty ones) until counts agree. Work is token
+count: attention's quadratic term is small while sequences are short next to the width. `micro_batch` records where
+each response token lands in the [rows, R] tensors (`scatter_rows` puts per-token results back there)."""
 from __future__ import annotations
 
 import argparse
@@ -116,9 +111,8 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _check_messages(prompt, where: str) -> list[dict]:
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                   and isinstance(m.get("content"), str) for m in prompt):
         return prompt
     raise TypeError(f"{where}: expected a string or a non-empty list of {{'role': str, 'content': str}} "
                     f"messages, got {type(prompt).__name__}: {str(prompt)[:100]}")
@@ -130,16 +124,15 @@ def _clear_stale_lock(lock: str) -> None:
         host, pid = pathlib.Path(lock).read_text().split()
     except (OSError, ValueError):  # gone already, or its owner is mid-write
         return
-    if host != socket.gethostname():  # another node's builder: only the timeout can tell
-        return
     try:
-        os.kill(int(pid), 0)  # signal 0 only checks that the process exists
-    except PermissionError:  # alive, owned by another user
-        pass
+        if host == socket.gethostname():  # (another node's builder: only the timeout can tell)
+            os.kill(int(pid), 0)  # signal 0 only checks that the process exists
     except ProcessLookupError:
         logger.warning("removing lock %s left by dead process %s", lock, pid)
         with contextlib.suppress(FileNotFoundError):
             os.remove(lock)
+    except PermissionError:  # alive, owned by another user
+        pass
 
 
 class PromptDataset:
@@ -180,7 +173,6 @@ class PromptDataset:
                            self.num_filtered, max_prompt_length, self.files)
 
     def _try_open(self) -> pa.Table | None:
-        """The cached table, or None if the file is absent or does not validate."""
         try:
             table = pa.ipc.open_file(pa.memory_map(self.cache_path, "r")).read_all()
             meta = table.schema.metadata or {}
@@ -195,9 +187,7 @@ class PromptDataset:
 
     def _open_or_build(self) -> pa.Table:
         lock, deadline = self.cache_path + ".lock", time.monotonic() + self.lock_timeout
-        while True:
-            if (table := self._try_open()) is not None:
-                return table
+        while (table := self._try_open()) is None:
             try:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
@@ -210,20 +200,20 @@ class PromptDataset:
             try:
                 os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
                 os.close(fd)
-                if (table := self._try_open()) is None:  # unless someone finished before we took the lock
+                if self._try_open() is None:  # unless someone finished before we took the lock
                     if os.path.exists(self.cache_path):
                         logger.warning("rebuilding unusable cache %s (%s)", self.cache_path, self._unusable)
                     atomic_write(self.cache_path, self._build)
                     self.cache_built = True
-                    if (table := self._try_open()) is None:
+                    if self._try_open() is None:
                         raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
-                return table
             finally:
                 os.remove(lock)
+        return table
 
-    def _read_sources(self) -> tuple[pa.Table, list, list, list[tuple[str, int]]]:
-        """The other columns of all files as one table; prompts and reward_model as Python values,
-        since their Arrow types vary between files (int or str ground truths, list field names)."""
+    def _build(self, out_path: str) -> None:
+        t0 = time.perf_counter()
+        # prompt and reward_model stay Python values: Arrow types vary by file (int or str truths, list field names)
         rests, prompts, rewards, origin = [], [], [], []
         for f in self.files:
             try:
@@ -244,11 +234,6 @@ class PromptDataset:
         except pa.ArrowException as e:
             raise ValueError("the data files have incompatible schemas: "
                              + "; ".join(f"{f}: {t.schema}" for f, t in zip(self.files, rests))) from e
-        return rest, prompts, rewards, origin
-
-    def _build(self, out_path: str) -> None:
-        t0 = time.perf_counter()
-        rest, prompts, rewards, origin = self._read_sources()
         if self.tokenizer.chat_template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template")
         texts = self.tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
@@ -286,8 +271,7 @@ class PromptDataset:
             table = table.append_column(name, values)
         table = table.replace_schema_metadata({"nanorl_key": self.key, "nanorl_num_rows": str(len(keep)),
                                                "nanorl_num_filtered": str(len(origin) - len(keep))})
-        # One record batch: Arrow's take() over a multi-chunk table first concatenates the chunks,
-        # which would turn every batch draw into a copy of the whole dataset.
+        # One record batch: Arrow's take() on a multi-chunk table concatenates them first, a full copy per batch draw.
         with open(out_path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table.combine_chunks())
         logger.info("built prompt cache %s: %d prompts in %.1fs", self.cache_path, len(keep), time.perf_counter() - t0)
@@ -365,7 +349,6 @@ class Sampler:
 
 
 def _lpt_partition(seq_lens: list[int], k: int) -> list[list[int]]:
-    """Greedy LPT: longest first, each onto the least-loaded of k parts."""
     heap = [(0, r) for r in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
     for i in sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i)):
@@ -425,17 +408,16 @@ def micro_batch(prompts: list, responses: list, rows: list[int], device=None) ->
     """Pack rows (prompt + response token ids) into one micro-batch; `sel` are the packed positions whose
     next token is a response token, (`row`, `col`) where each lands in the [len(rows), R] tensors. `row_ids`
     stays a host list, so indexing the batch's CPU tensors by it never waits for the device."""
-    seqs = [prompts[i] + responses[i] for i in rows]
-    mb = packed_inputs(seqs) if seqs else {"input_ids": torch.zeros(0, dtype=torch.long),
-                                           "position_ids": torch.zeros(0, dtype=torch.long),
-                                           "cu_seqlens": torch.zeros(1, dtype=torch.int32), "max_seqlen": 0}
+    mb = packed_inputs([prompts[i] + responses[i] for i in rows]) if rows else {
+        "input_ids": torch.zeros(0, dtype=torch.long), "position_ids": torch.zeros(0, dtype=torch.long),
+        "cu_seqlens": torch.zeros(1, dtype=torch.int32), "max_seqlen": 0}
     plen = torch.tensor([len(prompts[i]) for i in rows], dtype=torch.long)
     rlen = torch.tensor([len(responses[i]) for i in rows], dtype=torch.long)
     row = torch.repeat_interleave(torch.arange(len(rows)), rlen)
     col = torch.arange(int(rlen.sum())) - torch.repeat_interleave(torch.cumsum(rlen, 0) - rlen, rlen)
     sel = mb["cu_seqlens"][:-1].long()[row] + plen[row] - 1 + col
     mb.update(sel=sel, row=row, col=col, rows=torch.tensor(rows, dtype=torch.long), row_ids=list(rows),
-              targets=mb["input_ids"][sel + 1] if len(sel) else torch.zeros(0, dtype=torch.long))
+              targets=mb["input_ids"][sel + 1])
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
 
 
@@ -486,8 +468,9 @@ def prepare_gsm8k(src: str, out: str) -> None:
                                             "answer": ex["answer"]}})
     os.makedirs(out, exist_ok=True)
     for split, rows in splits.items():
-        _write_parquet(rows, os.path.join(out, f"{split}.parquet"))
-        print(f"wrote {len(rows)} rows to {os.path.join(out, split + '.parquet')}")
+        path = os.path.join(out, f"{split}.parquet")
+        _write_parquet(rows, path)
+        print(f"wrote {len(rows)} rows to {path}")
 
 
 SYNTHETIC_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -507,13 +490,11 @@ def synthetic_tokenizer():
 
     # Byte-level BPE spells the space byte as "\u0120"; the other characters stand for themselves.
     chars = ["\u0120" if c == " " else c for c in SYNTHETIC_CHARS]
-    vocab = {s: i for i, s in enumerate(SYNTHETIC_SPECIALS + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(SYNTHETIC_SPECIALS + chars)}, merges=[]))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SYNTHETIC_SPECIALS])
-    t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    t.chat_template = SYNTHETIC_TEMPLATE
-    return t
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=SYNTHETIC_TEMPLATE)
 
 
 def _synthetic_rows(task: str, n: int, split: str, rng: np.random.Generator) -> list[dict]:

@@ -10,27 +10,25 @@ Every model in this family is the same pre-norm decoder:
         h = h + down_proj(silu(gate) * up)                  gate, up = gate_up_proj(rmsnorm(h))
     logits = lm_head(rmsnorm(h))
 
-The families differ only in small switches, all read from the HF `config.json`: a bias on q/k/v (Qwen2),
-an RMSNorm on each head of q and k (Qwen3), a head_dim that is not hidden/heads (Qwen3), grouped-query
-attention (fewer k/v heads than q heads, each k/v head shared by a group of q heads), the RoPE base and the
-Llama-3 frequency rescaling, and whether the LM head shares the embedding matrix (tied).
+The families differ only in switches read from the HF `config.json`: a bias on q/k/v (Qwen2), an RMSNorm on
+each head of q and k (Qwen3), a head_dim that is not hidden/heads (Qwen3), grouped-query attention (each k/v
+head shared by a group of q heads), the RoPE base and Llama-3 frequency rescaling, and a tied LM head.
 
-RoPE rotates each (x_i, x_{i+d/2}) pair of a q or k head by the angle pos * theta^(-2i/d); the dot product
-q.k then depends only on the distance between the two positions. Llama 3 divides the low frequencies by
-`factor` and blends the middle band, to stretch the context.
+RoPE rotates each (x_i, x_{i+d/2}) pair of a q or k head by the angle pos * theta^(-2i/d), so q.k depends only
+on the distance between the two positions. Llama 3 divides the low frequencies by `factor` and blends the
+middle band, to stretch the context.
 
 Shapes and parallelism
 ----------------------
-Tokens travel *packed*: a batch of sequences is one [T] vector with `cu_seqlens` marking the boundaries
-and `position_ids` restarting at 0 for each sequence, so no compute is spent on padding. Attention is
-causal within each sequence and blind across them. Three backends give the same numbers: `flash_attn`
-when installed, PyTorch's `varlen_attn` on CUDA, and SDPA with a block-diagonal causal mask elsewhere.
+Tokens travel *packed*: a batch of sequences is one [T] vector with `cu_seqlens` marking the boundaries and
+`position_ids` restarting at 0 for each sequence, so no compute is spent on padding. Attention is causal within
+each sequence and blind across them. Three backends give the same numbers: `flash_attn` when installed,
+PyTorch's `varlen_attn` on CUDA, and SDPA with a block-diagonal causal mask elsewhere.
 
-With tensor parallelism a rank holds heads/tp of the heads and intermediate/tp of the MLP (see
-parallel.py); with pipeline parallelism it holds a contiguous slice of the layers, the embedding only on
-the first stage and the final norm and head only on the last. Generation uses two more paths against a
-static KV cache: `prefill` (packed prompts, writing their k/v) and `decode` (one token for each cache row,
-attending to the row's past)."""
+With tensor parallelism a rank holds heads/tp of the heads and intermediate/tp of the MLP (see parallel.py);
+with pipeline parallelism a contiguous slice of the layers, the embedding only on the first stage and the
+final norm and head only on the last. Generation adds two paths against a static KV cache: `prefill` (packed
+prompts, writing their k/v) and `decode` (one token per cache row, attending to the row's past)."""
 from __future__ import annotations
 
 import glob
@@ -48,9 +46,10 @@ from torch.utils.checkpoint import checkpoint
 from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, fused,
                       stage_layers)
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED = tuple(MODEL_TYPES.values())
+HF_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -124,11 +123,10 @@ class ModelConfig:
                    intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
                    num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-                   rope_theta=float(theta), rope_scaling=rope if rtype == "llama3" else None,
+                   rope_theta=float(theta), rope_scaling=rope if rtype == "llama3" else None, sliding_window=sw,
                    attention_bias=c.get("attention_bias", arch == "Qwen2ForCausalLM"),
                    qk_norm=arch == "Qwen3ForCausalLM", tie_word_embeddings=c.get("tie_word_embeddings", False),
-                   max_position_embeddings=c.get("max_position_embeddings", 4096), sliding_window=sw,
-                   architecture=arch, raw=c)
+                   max_position_embeddings=c.get("max_position_embeddings", 4096), architecture=arch, raw=c)
 
     def num_params(self, with_embedding: bool = True) -> int:
         """Matrix parameters N (norms and biases are negligible); MFU uses N without the input embedding."""
@@ -171,8 +169,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     if s := cfg.rope_scaling:  # Llama 3: scale long wavelengths by 1/factor, keep short ones, blend in between
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]
@@ -190,9 +187,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, hk
     HF checkpoints. One tensor in, one out: on GPU a single kernel, and k, v stay adjacent for the cache."""
     head = torch.arange(qkv.shape[1], device=qkv.device)[:, None]
     rotated = head < h + hkv
-    x = qkv
-    if wq is not None:
-        x = torch.where(rotated, rms_norm(qkv, torch.where(head < h, wq, wk), eps), qkv)
+    x = qkv if wq is None else torch.where(rotated, rms_norm(qkv, torch.where(head < h, wq, wk), eps), qkv)
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.where(rotated, torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype), x)
@@ -223,11 +218,9 @@ def attention_backend(device: torch.device, requested: str = "auto") -> str:
     cuda = device.type == "cuda"
     avail = [name for name, ok in (("flash", cuda and FLASH_ATTN is not None),
                                    ("varlen", cuda and TORCH_VARLEN is not None), ("sdpa", True)) if ok]
-    if requested == "auto":
-        return avail[0]
-    if requested not in avail:
+    if requested != "auto" and requested not in avail:
         raise ValueError(f"attention backend {requested!r} is not available on {device}; available: {avail}")
-    return requested
+    return avail[0] if requested == "auto" else requested
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window: int | None = None):
@@ -245,10 +238,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
         return TORCH_VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=(-1, 0),
                             scale=scale, **gqa)
     # SDPA over the whole pack with a block-diagonal causal mask: O(T^2) memory, meant for CPU
-    T = q.shape[0]
-    seq_id = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device),
-                                     (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=T)
-    idx = torch.arange(T, device=q.device)
+    idx = torch.arange(q.shape[0], device=q.device)
+    seq_id = torch.searchsorted(cu_seqlens[1:], idx.to(cu_seqlens.dtype), right=True)  # count of sequence ends <= idx
     mask = (seq_id[:, None] == seq_id[None, :]) & (idx[:, None] >= idx[None, :])
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, d]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -256,9 +247,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
 
 
 class _FlashGQA(torch.autograd.Function):
-    """torch < 2.13's varlen_attn wants as many k/v heads as q heads, but the aten flash kernels under it take
-    grouped k/v in both passes: calling them directly saves repeating k/v (and reducing their gradient back),
-    2-3% of a 0.5B training step."""
+    """torch < 2.13's varlen_attn wants as many k/v heads as q heads, but the aten flash kernels under it take grouped
+    k/v in both passes: calling them directly skips repeating k/v (and summing its gradient), 2-3% of a 0.5B step."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
@@ -271,19 +261,18 @@ class _FlashGQA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
-        n = ctx.max_seqlen
-        grads = torch.ops.aten._flash_attention_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True,
-                                                         rng, unused, scale=ctx.scale)
+        grads = torch.ops.aten._flash_attention_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen,
+                                                         ctx.max_seqlen, 0.0, True, rng, unused, scale=ctx.scale)
         return *grads, None, None, None
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, prefix=None):
     """One new token per cache row: q [B, H, d], its k_new, v_new [B, Hkv, d]; caches [B, Hkv, L, d]. Stores k_new,
     v_new at position lengths[b] - 1 of row b, which then attends to its first lengths[b] positions; with prefix =
-    (src, plen) [B] int32 it reads the first plen[b] of them from row src[b] (the samples of a prompt read one copy
-    of it). bf16 on CUDA: a split-K flash-decoding kernel that reads only those positions and also does the store
-    (one launch less per layer). Elsewhere two batched matmuls over the whole row with a length mask (the (row, kv
-    head) batch folds into one strided bmm even for a prefix [:, :, :L] of longer rows). No host sync."""
+    (src, plen) [B] int32 it reads the first plen[b] of them from row src[b] (a prompt's samples share one copy).
+    bf16 on CUDA: a split-K flash-decoding kernel that reads only those positions and does the store too (one launch
+    less per layer). Elsewhere two batched matmuls over the whole row with a length mask: one strided bmm over (row,
+    kv head), even for a prefix [:, :, :L] of longer rows. No host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, prefix)
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
@@ -292,12 +281,9 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, prefix=None):
     if prefix is not None:
         shared = (torch.arange(L, device=q.device)[None, :] < prefix[1][:, None])[:, None, :, None]
         k_cache, v_cache = (torch.where(shared, c[prefix[0].long()], c) for c in (k_cache, v_cache))
-    qg = q.view(B, hkv, H // hkv, d)
-    scores = torch.matmul(qg, k_cache.transpose(-1, -2)).float() * d ** -0.5  # [B, hkv, g, L]
-    valid = torch.arange(L, device=q.device)[None, :] < lengths[:, None]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache)  # [B, hkv, g, d]
-    return out.reshape(B, H, d)
+    scores = torch.matmul(q.view(B, hkv, H // hkv, d), k_cache.transpose(-1, -2)).float() * d ** -0.5  # [B, hkv, g, L]
+    scores = scores.masked_fill(torch.arange(L, device=q.device) >= lengths[:, None, None, None], float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v_cache.dtype), v_cache).reshape(B, H, d)  # [B, hkv, g, d] -> [B, H, d]
 
 
 try:
@@ -407,11 +393,10 @@ def _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, prefix=None, block
 class AttnContext:
     """How the tokens of one forward are arranged and where (if anywhere) their k/v go.
 
-    train / log-probs: cu_seqlens + max_seqlen.  prefill: additionally `cache` and, per token, the cache row
-    `slots` it belongs to (positions come from position_ids).  decode: `cache`, one token per cache row
-    0..B-1 at position lengths-1 (position_ids), `lengths` = tokens in each row after this one is written,
-    optionally max_seqlen >= max(lengths) to read only that prefix of the rows (0: the whole row), and optionally
-    `prefix` = (src, plen) [B]: row b reads its first plen[b] positions from row src[b] (see decode_attention)."""
+    train / log-probs: cu_seqlens + max_seqlen.  prefill: also `cache` and each token's cache row `slots` (positions
+    come from position_ids).  decode: `cache`, one token per cache row 0..B-1 at position lengths-1 (position_ids),
+    `lengths` = tokens in each row after this one is written, optionally max_seqlen >= max(lengths) to read only that
+    prefix of the rows (0: the whole row), and optionally `prefix` = (src, plen) (see decode_attention)."""
 
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
@@ -506,23 +491,20 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """One pipeline stage of the decoder, tensor-parallel over `layout.tp_group`.
 
-    forward() takes token ids on the first stage (hidden states [T, D] on the others) and returns hidden
-    states; on the last stage they are final-normed, and `logits()` / `values()` turn them into
-    vocab-parallel logits [T, V/tp] (compute dtype) or scalar values [T] (fp32)."""
+    forward() maps token ids (first stage) or hidden states [T, D] (the others) to hidden states, final-normed on
+    the last stage, where `logits()` / `values()` give vocab-parallel logits [T, V/tp] or fp32 values [T]."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout | None = None, dtype=torch.float32, device=None,
                  value_head: bool = False, lm_head: bool = True):
         super().__init__()
         layout = layout or Layout()
-        self.cfg, self.layout = cfg, layout
-        self.layer_start, self.layer_end = stage_layers(cfg.num_layers, layout.pp, layout.pp_rank,
-                                                        cfg.head_cost if lm_head else 0.0)
+        start, end = stage_layers(cfg.num_layers, layout.pp, layout.pp_rank, cfg.head_cost if lm_head else 0.0)
+        self.cfg, self.layout, self.layer_start = cfg, layout, start
         kw = dict(dtype=dtype, device=device)
         first, last = layout.is_first_stage, layout.is_last_stage
         embedding = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw)  # noqa: E731
         self.embed_tokens = embedding() if first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, i, **kw)
-                                    for i in range(self.layer_end - self.layer_start))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, i, **kw) for i in range(end - start))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if last else None
         self.lm_head = None
         if last and lm_head:  # tied on one stage: the same Parameter, counted once, updated once
@@ -564,12 +546,9 @@ class Transformer(nn.Module):
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             pre = f"model.layers.{self.layer_start + int(i)}."
-            for joined, pieces in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                   ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
-                if rest.startswith(joined):
-                    mod, kind = joined.rsplit(".", 1)[0], rest.rsplit(".", 1)[1]
-                    return [f"{pre}{mod}.{p}.{kind}" for p in pieces]
-            return [pre + rest]
+            mod, _, kind = rest.rpartition(".")  # e.g. "self_attn.qkv_proj", "weight"
+            parent, _, proj = mod.rpartition(".")
+            return [f"{pre}{parent}.{p}.{kind}" for p in HF_PIECES[proj]] if proj in HF_PIECES else [pre + rest]
         if name.startswith("lm_head."):
             return ["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
         if name.startswith("value_head."):
@@ -618,7 +597,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"{where[hf]}: tensor {hf!r} has shape {sl.get_shape()}, expected {want} "
                                  "from config.json")
             return sl
-        # a value head is a fresh critic head, not in the checkpoint; train.py initialises it
+        # a value head is a fresh critic head, not in the checkpoint; load_model initialises it
         self._fill([(n, p) for n, p in self.named_parameters() if not n.startswith("value_head.")], read)
 
 

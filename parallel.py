@@ -6,8 +6,8 @@ W processes are arranged as a 3-D grid  dp x pp x tp  with TP varying fastest:
 
     rank = (dp_rank * pp + pp_rank) * tp + tp_rank
 
-so the ranks of one TP group are consecutive (inside one node, on the fastest links), the pp stages of
-one model replica are tp apart, and the dp replicas are tp*pp apart. Example, W=8, tp=2, pp=2, dp=2:
+so the ranks of one TP group are consecutive (inside one node, on the fastest links), the pp stages of one model
+replica are tp apart, and the dp replicas are tp*pp apart. Example, W=8, tp=2, pp=2, dp=2:
 
     dp 0:  stage 0 = ranks [0 1]   stage 1 = ranks [2 3]
     dp 1:  stage 0 = ranks [4 5]   stage 1 = ranks [6 7]
@@ -15,57 +15,55 @@ one model replica are tp apart, and the dp replicas are tp*pp apart. Example, W=
 
 Tensor parallelism (Megatron-LM)
 --------------------------------
-A linear layer Y = X A^T is split two ways. Column-parallel: rank r holds rows r of A (a slice of the
-output features); every rank needs all of X and produces its slice of Y. Row-parallel: rank r holds a
-slice of the input features and produces a partial sum of Y that one all-reduce completes. An MLP is
-column-then-row (one all-reduce in forward), attention is q/k/v column (whole heads per rank) then the
-output projection row (one all-reduce). The autograd rules are mirror images: the identity `f` in front of
-a column layer all-reduces gradients in backward, the all-reduce `g` after a row layer is the identity in
-backward. The embedding and the LM head are split over the vocabulary; the softmax over a split
-vocabulary takes two small all-reduces (max and sum-exp), never gathering the logits.
+A linear layer Y = X A^T is split two ways. Column-parallel: rank r holds rows r of A (a slice of the output
+features); every rank needs all of X and produces its slice of Y. Row-parallel: rank r holds a slice of the input
+features and produces a partial sum of Y that one all-reduce completes. An MLP is column then row, attention q/k/v
+column (whole heads per rank) then the output projection row: one all-reduce each in forward. The autograd rules
+mirror each other: the identity `f` in front of a column layer all-reduces gradients in backward, the all-reduce
+`g` after a row layer is the identity in backward. The embedding and the LM head are split over the vocabulary.
 
-Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated)
-and `tp_parts` (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv projection:
-each piece is split separately on head boundaries and the local shard is the concatenation of the local
-pieces). Loading, resharding and export all follow this one rule.
+Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated) and
+`tp_parts` (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv projection: each piece is
+split separately on head boundaries, the local shard concatenates the local pieces). Loading, resharding and
+export all follow this one rule.
 
 Log-probs over a split vocabulary
 ---------------------------------
-With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only three
-all-reduces of one number per token: the max (for stability), the sum of exp(z - max), and z_t itself
-(the rank that owns token t contributes it, the others zero). The entropy H = logsumexp(z) - sum_j p_j z_j
-rides along with the sum (one more number in the same all-reduce). The backward is local too:
-d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]), recomputed from the logits rather than stored.
+With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only three all-reduces
+of one number per token, never gathering the logits: the max (for stability), the sum of exp(z - max), and z_t
+itself (the rank that owns token t contributes it, the others zero). The entropy H = logsumexp(z) - sum_j p_j z_j
+rides along with the sum (one more number in the same all-reduce). The backward is local too, recomputed from the
+logits rather than stored: d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]).
 
 Pipeline parallelism: the 1F1B schedule
 ---------------------------------------
-Stage s holds layers [start_s, end_s). A batch is cut into m micro-batches; activations flow s -> s+1,
-their gradients s+1 -> s. Stage s first runs pp-s-1 forwards (warmup), then alternates one forward and
-one backward (steady state), then drains the remaining backwards (cooldown):
+Stage s holds layers [start_s, end_s). A batch is cut into m micro-batches; activations flow s -> s+1, their
+gradients s+1 -> s. Stage s first runs pp-s-1 forwards (warmup), then alternates one forward and one backward
+(steady state), then drains the remaining backwards (cooldown):
 
     stage 0:  F0 F1 F2 F3 B0 F4 B1 F5 B2 .. B5          (pp = 4, m = 6)
     stage 3:           F0 B0 F1 B1 F2 B2 .. B5
 
-so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m of the
-step. The pipeline runs at the pace of its slowest stage, and the last one also runs the LM head and the
-loss (2.3 layers' worth on Qwen2.5-7B), so it gets fewer layers (`stage_layers`). Each exchange posts its
-sends and receives together (one batch of P2P ops), which pairs the two sides' messages and cannot deadlock.
+so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m of the step. The
+pipeline runs at the pace of its slowest stage, and the last also runs the LM head and the loss (2.3 layers' worth
+on Qwen2.5-7B), so it gets fewer layers (`stage_layers`). Each exchange posts its sends and receives together (one
+batch of P2P ops), which pairs the two sides' messages and cannot deadlock.
 
 Data parallelism and ZeRO-1
 ---------------------------
-DP replicas see different micro-batches; their gradients are summed (the loss is already normalised by
-the global token count). All parameters of a rank live, for the optimizer, in one flat fp32 buffer cut
-into buckets of whole parameters (~40M elements). ZeRO-1 keeps the fp32 master weights and both Adam
-moments of 1/dp of it per DP rank, interleaved: rank r owns the r-th 1/dp of every bucket (each padded to
-a multiple of dp). A contiguous 1/dp of the whole buffer would put a bucket on one or two ranks; this way
-one reduce-scatter per bucket hands every rank the summed gradient of its part, so a bucket can be reduced
-as soon as the backward (last layer first) has filled it, while the backward goes on. The ranks start
-these in one fixed order, so that all issue the same collectives in the same sequence; buckets holding TP
-partial sums or a tied embedding copy wait for their TP / embedding all-reduce after the backward. Each
-rank updates its parts and all-gathers them back into the weights. A checkpoint all-gathers the state the
-same way and keeps it per parameter (`full_state`), so a run can resume under another layout."""
+DP replicas see different micro-batches; their gradients are summed (the loss is already normalised by the global
+token count). The optimizer keeps all parameters of a rank in one flat fp32 buffer, cut into buckets of whole
+parameters (~40M elements, each padded to a multiple of dp). ZeRO-1 gives each DP rank the fp32 master weights and
+both Adam moments of 1/dp of it, interleaved: rank r owns the r-th 1/dp of every bucket (a contiguous 1/dp of the
+buffer would put a bucket on one or two ranks). So one reduce-scatter per bucket hands every rank the summed
+gradient of its part, and each bucket is reduced as soon as the backward (last layer first) has filled it,
+overlapping the rest. All ranks start these in one fixed order, to issue the same collectives in the same sequence;
+buckets holding TP partial sums or a tied embedding copy first wait for their TP / embedding all-reduce after the
+backward. Each rank updates its parts and all-gathers them back into the weights; a checkpoint all-gathers the
+state the same way and keeps it per parameter (`full_state`), so a run can resume under another layout."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -122,14 +120,13 @@ def make_layout(tp: int = 1, pp: int = 1) -> Layout:
     if tp < 1 or pp < 1 or world % (tp * pp) != 0:
         raise ValueError(f"parallel.train: world size {world} is not divisible by tp*pp = {tp}*{pp}; "
                          f"valid (tp, pp) have tp*pp dividing {world}")
-    coords = [(r // (tp * pp), r // tp % pp, r % tp) for r in range(world)]  # (dp, pp, tp) rank of each rank
-    dp_rank, pp_rank, tp_rank = coords[rank]
-    lay = Layout(tp=tp, pp=pp, dp=world // (tp * pp), rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
-    for axis, kind in ((2, "tp"), (1, "pp"), (0, "dp")):
-        groups = {}  # the ranks that differ only along `axis`, keyed by their other two coordinates
-        for r, c in enumerate(coords):
-            groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
-        for ranks in groups.values():
+    dp = world // (tp * pp)
+    lay = Layout(tp=tp, pp=pp, dp=dp, rank=rank, tp_rank=rank % tp, pp_rank=rank // tp % pp, dp_rank=rank // (tp * pp))
+    grid = torch.arange(world).view(dp, pp, tp)  # grid[d, p, t] is the rank at those coordinates
+    # a group is a row of the grid with its axis moved last: the ranks that differ only along that axis
+    for kind, groups in (("tp", grid.reshape(-1, tp)), ("pp", grid.transpose(1, 2).reshape(-1, pp)),
+                         ("dp", grid.permute(1, 2, 0).reshape(-1, dp))):
+        for ranks in groups.tolist():
             g = _new_group(ranks)
             if rank in ranks:
                 setattr(lay, f"{kind}_group", g)
@@ -321,7 +318,7 @@ def _logit_grad(logits, local, own, lse, ez, g_logp, g_ent, temperature: float):
     return (grad / temperature).to(logits.dtype)
 
 
-_compiled = {}
+_compile = functools.cache(torch.compile)  # one compiled version per function
 
 
 def fused(fn, x: torch.Tensor):
@@ -331,16 +328,13 @@ def fused(fn, x: torch.Tensor):
     Shapes are left to torch.compile's automatic dynamism: the token count, which changes from call to call,
     turns symbolic at the first recompile, while the model's sizes (V/tp, d) stay constants, so the kernels
     keep aligned, vectorised loads (all-symbolic shapes made the 0.5B decode step ~13% slower on H200)."""
-    if x.is_cuda and fn not in _compiled:
-        _compiled[fn] = torch.compile(fn)
-    return _compiled[fn] if x.is_cuda else fn
+    return _compile(fn) if x.is_cuda else fn
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
-    """log p(target) and the entropy of softmax(logits / temperature) over a vocabulary split across the TP
-    group. Per-rank statistics are combined with all-reduces of [T] vectors: M = max_r m_r, then
-    S = sum_r s_r exp(m_r - M) and W = sum_r w_r exp(m_r - M), so lse = M + log S and E_p[z] = W / S.
-    Saves only the logits (as given, bf16 on GPU) and [T] vectors for the backward."""
+    """log p(target) and the entropy of softmax(logits / temperature) over a TP-split vocabulary. The ranks'
+    statistics combine as M = max_r m_r, S = sum_r s_r exp(m_r - M), W = sum_r w_r exp(m_r - M), so lse =
+    M + log S and E_p[z] = W / S. Saves only the logits (as given, bf16 on GPU) and [T] vectors for the backward."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, temperature):
@@ -349,18 +343,16 @@ class _VocabParallelLogProb(torch.autograd.Function):
         own, local = (local >= 0) & (local < n), local.clamp(0, n - 1)
         m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)
         vmax = all_reduce(m.clone(), group, dist.ReduceOp.MAX)
-        scale = torch.exp(m - vmax)
-        sw = all_reduce(torch.stack([s * scale, w * scale]), group)
-        lse, ez = vmax + sw[0].log(), sw[1] / sw[0]
+        s, w = all_reduce(torch.stack([s, w]) * torch.exp(m - vmax), group)  # rescaled to the global max, summed
+        lse, ez = vmax + s.log(), w / s
         ctx.save_for_backward(logits, local, own, lse, ez)
         ctx.temperature = temperature
         return all_reduce(z_t, group) - lse, lse - ez
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        logits, local, own, lse, ez = ctx.saved_tensors
-        grad = fused(_logit_grad, logits)(logits, local, own, lse, ez, g_logp.contiguous(), g_ent.contiguous(),
-                                           ctx.temperature)
+        logits = ctx.saved_tensors[0]  # then local, own, lse, ez: _logit_grad's arguments in order
+        grad = fused(_logit_grad, logits)(*ctx.saved_tensors, g_logp.contiguous(), g_ent.contiguous(), ctx.temperature)
         return grad, None, None, None
 
 
@@ -388,15 +380,10 @@ def _detach(out: dict) -> dict:
     return {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
 
 
-def _backward_step(x, y, dy):
-    torch.autograd.backward(y, grad_tensors=dy)
-    return None if x is None else x.grad
-
-
 _WARM_GROUPS: set = set()
 
 
-def _p2p(layout: Layout, recv_buffer, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
+def _p2p(model, layout: Layout, send_next=None, send_prev=None, recv_prev=None, recv_next=None):
     """Post this stage's sends and receives as one batch and wait for all of them. recv_prev / recv_next
     name the micro-batch whose activation / gradient is expected; its shape [tokens, hidden] is known from
     the micro-batch itself (every rank of a PP group has the same list), so no shape message is needed."""
@@ -408,7 +395,7 @@ def _p2p(layout: Layout, recv_buffer, send_next=None, send_prev=None, recv_prev=
         if send is not None:
             ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), layout.pp_ranks[peer], layout.pp_group))
         if recv is not None:
-            got[i] = recv_buffer(recv)
+            got[i] = next(model.parameters()).new_empty(_tokens(recv), model.cfg.hidden_size)
             ops.append(dist.P2POp(dist.irecv, got[i], layout.pp_ranks[peer], layout.pp_group))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
@@ -425,15 +412,12 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
     detached `outputs` of each micro-batch on the last stage and empty dicts elsewhere. Empty micro-batches
     skip the model; the last stage still calls loss_fn on an empty hidden (without grad) for their outputs."""
     work = [i for i, mb in enumerate(micro_batches) if _tokens(mb) > 0]
-    mbs = [micro_batches[i] for i in work]
     outputs: list[dict] = [{} for _ in micro_batches]
     param = next(model.parameters())
     if layout.pp_group not in _WARM_GROUPS:  # NCCL wants the whole group in its first collective
         all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
         _WARM_GROUPS.add(layout.pp_group)
-
-    recv_buffer = lambda mb: param.new_empty(_tokens(mb), model.cfg.hidden_size)  # noqa: E731
-    for i, out in zip(work, _1f1b(model, layout, mbs, loss_fn, forward_only, recv_buffer)):
+    for i, out in zip(work, _1f1b(model, layout, [micro_batches[i] for i in work], loss_fn, forward_only)):
         outputs[i] = out
     if layout.is_last_stage:  # empty micro-batches: loss_fn on an empty hidden gives their outputs
         with torch.no_grad():
@@ -443,13 +427,14 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
     return outputs
 
 
-def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, recv_buffer) -> list[dict]:
+def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool) -> list[dict]:
     """One stage's schedule. pp = 1 has no warmup and no messages (F0 B0 F1 B1 ...); forward_only runs every
     forward as warmup, without grad, so activations only flow downstream."""
     n = len(mbs)
     outputs: list[dict] = [{} for _ in mbs]
     warmup = n if forward_only else min(layout.pp - layout.pp_rank - 1, n)
     inflight: list[tuple] = []  # (input, output) of micro-batches whose backward is pending, oldest first
+    p2p = functools.partial(_p2p, model, layout)
 
     def forward(k, x):  # hidden states to send on, or the loss at the last stage
         mb = mbs[k]
@@ -468,18 +453,21 @@ def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool, r
             inflight.append((x, y))
         return y
 
+    def backward(dy):  # of the oldest pending micro-batch: the gradient to send back
+        x, y = inflight.pop(0)
+        torch.autograd.backward(y, grad_tensors=dy)
+        return None if x is None else x.grad
+
     for k in range(warmup):
-        x, _ = _p2p(layout, recv_buffer, recv_prev=mbs[k])
-        _p2p(layout, recv_buffer, send_next=forward(k, x))
-    x = _p2p(layout, recv_buffer, recv_prev=mbs[warmup])[0] if warmup < n else None
+        x, _ = p2p(recv_prev=mbs[k])
+        p2p(send_next=forward(k, x))
+    x, _ = p2p(recv_prev=mbs[warmup] if warmup < n else None)
     for j in range(n - warmup):  # steady state: forward k = warmup + j, backward j
-        y = forward(warmup + j, x)
-        _, dy = _p2p(layout, recv_buffer, send_next=y, recv_next=mbs[j])
-        dx = _backward_step(*inflight.pop(0), dy)
-        x, _ = _p2p(layout, recv_buffer, send_prev=dx, recv_prev=mbs[warmup + j + 1] if warmup + j + 1 < n else None)
+        _, dy = p2p(send_next=forward(warmup + j, x), recv_next=mbs[j])
+        x, _ = p2p(send_prev=backward(dy), recv_prev=mbs[warmup + j + 1] if warmup + j + 1 < n else None)
     for j in range(n - len(inflight), n):  # cooldown: the backwards still pending
-        _, dy = _p2p(layout, recv_buffer, recv_next=mbs[j])
-        _p2p(layout, recv_buffer, send_prev=_backward_step(*inflight.pop(0), dy))
+        _, dy = p2p(recv_next=mbs[j])
+        p2p(send_prev=backward(dy))
     return outputs
 
 
@@ -507,14 +495,13 @@ def _cut_buckets(numels: list[int], bucket_size: int, dp: int) -> tuple[list[int
 
 
 class ShardedAdamW:
-    """AdamW with fp32 master weights and moments sharded over the DP group (ZeRO-1).
+    """AdamW with fp32 master weights and moments sharded over the DP group (ZeRO-1, module docstring).
 
-    The flat buffer orders this rank's parameters by kind (see _kind), so that each property the optimizer
-    needs (weight decay or not, how the parameter counts in the grad norm, whether its gradient is a TP
-    partial sum) covers a few contiguous runs instead of a per-element mask. It is cut into buckets, and this
-    rank owns the dp_rank-th part of each (`owned`, see the module docstring). Gradients accumulate into the
-    full fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation of
-    bf16 grads loses nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
+    The flat buffer orders this rank's parameters by kind (see _kind), so that each property the optimizer needs
+    (weight decay or not, how the parameter counts in the grad norm, whether its gradient is a TP partial sum)
+    covers a few contiguous runs instead of a per-element mask. Gradients accumulate into the full fp32 buffer
+    through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation of bf16 grads loses
+    nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
 
     STATES = ("master", "exp_avg", "exp_avg_sq")  # this rank's fp32 parts: weights and Adam's two moments
 
@@ -541,7 +528,6 @@ class ShardedAdamW:
         self.index = [(name, o, tuple(p.shape)) for (name, p), o in zip(named, offsets)]  # (name, offset, shape)
         self.numel, dp, r = sum(p.numel() for p in self.params), layout.dp, layout.dp_rank
         self.owned = [(a + r * (b - a) // dp, a + (r + 1) * (b - a) // dp) for a, b in self.buckets]
-        self.chunks = [b - a for a, b in self.owned]
         self.grad_buffer = torch.zeros(self.buckets[-1][1], dtype=torch.float32, device=dev)
         self.views = [self.grad_buffer[o:o + p.numel()].view_as(p) for (_, o, _), p in zip(self.index, self.params)]
         self.owned_grads = [self.grad_buffer[a:b] for a, b in self.owned]
@@ -561,14 +547,13 @@ class ShardedAdamW:
         late = {i for p, i in zip(self.params, which) if p is self.tied or self.partial and self._kind(p)[2]}
         self.deferred, self.order = sorted(late), [i for i in reversed(range(len(self.buckets))) if i not in late]
         self.nccl = layout.dp_group is not None and dist.get_backend(layout.dp_group) == "nccl"
-        self.counts = [0] * len(self.buckets)  # the gradients a bucket receives per backward pass
-        for p, i in zip(self.params, which):
-            self.counts[i] += p.requires_grad
+        self.counts = [sum(p.requires_grad for p, j in zip(self.params, which) if j == i)
+                       for i in range(len(self.buckets))]  # the gradients a bucket receives per backward pass
         self._reset()
         self._host = self._copied = None  # offload()'s host copy of the state; the event that ends prefetch()'s copies
         for h in getattr(model, "_sharded_adamw_hooks", []):  # a new optimizer of this model replaces the old
             h.remove()
-        model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(self._hook(v, i))
+        model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, v, i))
                                       for p, v, i in zip(self.params, self.views, which) if p.requires_grad]
 
     def _kind(self, p) -> tuple[bool, float, bool]:
@@ -581,13 +566,13 @@ class ShardedAdamW:
     def _segments(self) -> list[tuple[int, int, int, bool, float]]:
         """Runs (start, end, local start, decay, norm weight) of equal kind, cut to this rank's owned ranges:
         start and end address the grad buffer, the local start the master weights and moments."""
-        runs = []
+        runs = []  # (start, end, decay, weight) of consecutive parameters of one kind
         for (_, off, _), p in zip(self.index, self.params):
-            decay, weight, _ = self._kind(p)
-            if runs and runs[-1][2:] == (decay, weight):
-                runs[-1] = (runs[-1][0], off + p.numel(), decay, weight)
+            kind = self._kind(p)[:2]
+            if runs and runs[-1][2:] == kind:  # extend the last run
+                runs[-1] = (runs[-1][0], off + p.numel(), *kind)
             else:
-                runs.append((off, off + p.numel(), decay, weight))
+                runs.append((off, off + p.numel(), *kind))
         segments, local = [], 0
         for lo, hi in self.owned:
             segments += [(max(a, lo), min(b, hi), local + max(a, lo) - lo, d, w) for a, b, d, w in runs
@@ -595,17 +580,15 @@ class ShardedAdamW:
             local += hi - lo
         return segments
 
-    def _hook(self, view, bucket: int):
-        def accumulate(p):
-            view.add_(p.grad)
-            p.grad = None
-            if self.need is not None:
-                self.arrived[bucket] += 1
-                if self.arrived[bucket] > self.need[bucket]:  # its reduction may have started: the sum would be wrong
-                    raise RuntimeError("a gradient arrived after its bucket was complete: more backward passes "
-                                       "than expect_backwards() announced")
-                self._launch_ready()
-        return accumulate
+    def _accumulate(self, view: torch.Tensor, bucket: int, p) -> None:  # p's post-accumulate-grad hook
+        view.add_(p.grad)
+        p.grad = None
+        if self.need is not None:
+            self.arrived[bucket] += 1
+            if self.arrived[bucket] > self.need[bucket]:  # its reduction may have started: the sum would be wrong
+                raise RuntimeError("a gradient arrived after its bucket was complete: more backward passes "
+                                   "than expect_backwards() announced")
+            self._launch_ready()
 
     def _reset(self) -> None:
         self.need, self.arrived, self.launched, self.works = None, [0] * len(self.buckets), 0, []
@@ -641,13 +624,12 @@ class ShardedAdamW:
     def reduce_gradients(self) -> None:
         """Complete the accumulated gradients: the DP sum of every bucket not started during the backward,
         the TP partial sums and tied embedding copies, then the DP sum of the buckets holding those."""
-        lay, buf = self.layout, self.grad_buffer
         for i in self.order[self.launched:]:
             self._reduce_bucket(i)
         if self.partial is not None:
-            all_reduce(buf[self.partial[0]:self.partial[1]], lay.tp_group)
+            all_reduce(self.grad_buffer[self.partial[0]:self.partial[1]], self.layout.tp_group)
         if self.tied is not None:
-            all_reduce(self.tied_grad, lay.embed_group)
+            all_reduce(self.tied_grad, self.layout.embed_group)
         for i in self.deferred:
             self._reduce_bucket(i)
         for work in self.works:
@@ -655,13 +637,11 @@ class ShardedAdamW:
         self._reset()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale the gradient parts so that the global L2 norm is at most max_norm; returns the norm before
-        clipping (a non-finite norm is returned as it is and nothing is scaled; the caller should skip the
-        step). max_norm <= 0 only measures.
-
-        Every element counts once over the whole grid: DP parts are disjoint, PP stages hold different
-        layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count 1/tp on each of the
-        tp ranks holding them; so one all-reduce over the world sums it all."""
+        """Scale the gradient parts so that the global L2 norm is at most max_norm (max_norm <= 0 only measures);
+        returns the norm before clipping. A non-finite norm is returned as it is and nothing is scaled: the caller
+        should skip the step. Every element counts once over the whole grid: DP parts are disjoint, PP stages hold
+        different layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count 1/tp on each of
+        the tp ranks holding them; so one all-reduce over the world sums it all."""
         sq = (torch.stack(torch._foreach_norm(self.norm_parts)).square() @ self.norm_weights if self.norm_parts
               else self.grad_buffer.new_zeros(()))
         norm = world_all_reduce(sq).sqrt().item()
@@ -679,8 +659,7 @@ class ShardedAdamW:
         t = torch.full((), float(self.step_count), device=self.master.device)
         for decay in (True, False):
             if runs := [(a, b, c) for a, b, c, d, _ in self.segments if d == decay]:
-                w, avg, sq = ([x[c:c + b - a] for a, b, c in runs] for x in (self.master, self.exp_avg,
-                                                                              self.exp_avg_sq))
+                w, avg, sq = ([x[c:c + b - a] for a, b, c in runs] for x in self._state())
                 torch._fused_adamw_(w, [self.grad_buffer[a:b] for a, b, _ in runs], avg, sq, [], [t] * len(runs),
                                     lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, amsgrad=False,
                                     weight_decay=self.weight_decay if decay else 0.0, maximize=False)
@@ -699,7 +678,7 @@ class ShardedAdamW:
     def _gather(self, parts: torch.Tensor, full: torch.Tensor) -> None:
         """Every DP rank's parts of each bucket into the flat `full` (cast to its dtype)."""
         group = self.layout.dp_group
-        for (a, b), mine in zip(self.buckets, parts.split(self.chunks)):
+        for (a, b), mine in zip(self.buckets, parts.split([b - a for a, b in self.owned])):
             if group is None:
                 full[a:b].copy_(mine)
             elif self.nccl:

@@ -259,15 +259,14 @@ def _build(cls, d: dict, prefix: str, source: str):
                 raise TypeError(f"{source}: {path} must be a mapping, got {val!r}")
             kwargs[key] = _build(type(default), val, path + ".", source)
             continue
-        if isinstance(default, bool) and not isinstance(val, bool):
-            raise TypeError(f"{source}: {path} must be true or false, got {val!r}")
         if isinstance(default, float) and isinstance(val, (int, str)) and not isinstance(val, bool):
             with contextlib.suppress(ValueError):  # YAML reads 1e-6 (no dot) as a string
                 val = float(val)
         if isinstance(default, list) and isinstance(val, str):
             val = [val]
-        if not isinstance(val, type(default)) or (isinstance(val, bool) and not isinstance(default, bool)):
-            raise TypeError(f"{source}: {path} must be {type(default).__name__}, got {val!r}")
+        if not isinstance(val, type(default)) or isinstance(val, bool) != isinstance(default, bool):
+            want = "true or false" if isinstance(default, bool) else type(default).__name__
+            raise TypeError(f"{source}: {path} must be {want}, got {val!r}")
         if path in CHOICES and val not in CHOICES[path]:
             raise ValueError(f"{source}: {path}={val!r} is not one of {list(CHOICES[path])}")
         kwargs[key] = val
@@ -316,10 +315,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
 
 @dataclass
 class Role:
-    """A model in the training layout with (for trained roles) its sharded optimizer."""
+    """A model in the training layout with its sharded optimizer (None for the frozen reference)."""
     model: torch.nn.Module
     optim: ShardedAdamW | None
-    ocfg: OptimConfig | None
 
 
 def sum_dicts(dicts: list[dict]) -> dict[str, float]:
@@ -487,17 +485,16 @@ class Trainer:
         self.step, self.nonfinite_skips = 0, 0
 
     def _role(self, path: str, ocfg: OptimConfig | None, value_head: bool = False) -> Role:
-        """A model in the training layout: trained with `ocfg`, or frozen (the reference) without."""
         m = load_model(path, self.layout, self.dtype, self.device, random_init=self.cfg.actor.random_init,
                        seed=self.cfg.trainer.seed, value_head=value_head, lm_head=not value_head)
         if ocfg is None:
-            return Role(m.requires_grad_(False), None, None)
+            return Role(m.requires_grad_(False), None)
         m.gradient_checkpointing = self.cfg.actor.gradient_checkpointing
         return Role(m, ShardedAdamW(m, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas),
-                                    weight_decay=ocfg.weight_decay), ocfg)
+                                    weight_decay=ocfg.weight_decay))
 
     # --- generation
-    def generate(self, items: list[dict], temperature: float, n: int, seed: int):
+    def generate(self, items: list[dict], temperature: float, n: int, seed: int) -> Batch:
         ro, R = self.cfg.rollout, self.cfg.data.max_response_length
         with self.resharder.generation() as gen_model:
             mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
@@ -511,7 +508,7 @@ class Trainer:
                                     seeds=[seed * 1_000_003 + offset + i for i in range(len(mine))])
             finally:
                 gen.free()
-            return collect_results(done, offset, self.resharder.gen_layout)
+            return Batch.from_completions(items, collect_results(done, offset, self.resharder.gen_layout), R)
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int]:
         """(scores, the scorer's extra values, scorer errors): each rank scores 1/W of the samples, all-gathered."""
@@ -519,33 +516,30 @@ class Trainer:
         share = list(range(self.rank, len(batch), self.world))
         cols = (batch.data_source, texts, batch.ground_truth, batch.extra_info)
         scores, extras, errors = score_batch(self.reward_fn, *([col[i] for i in share] for col in cols))
-        parts = all_gather_objects((share, scores, extras, errors))
-        full, ext = torch.zeros(len(batch)), {}
-        for idx, sc, ex, _ in parts:
-            full[idx] = torch.tensor(sc, dtype=torch.float32)
-            for k, v in ex.items():
-                ext.setdefault(k, torch.full((len(batch),), float("nan")))[idx] = torch.tensor(
+        parts = all_gather_objects((share, {"score": scores, **extras}, errors))
+        full = {}  # one tensor per key over the whole batch; NaN where a sample lacked the key
+        for idx, vals, _ in parts:
+            for k, v in vals.items():
+                full.setdefault(k, torch.full((len(batch),), float("nan")))[idx] = torch.tensor(
                     [float("nan") if x is None else x for x in v], dtype=torch.float32)
-        return full, ext, sum(p[3] for p in parts)
+        return full.pop("score"), full, sum(p[2] for p in parts)
 
     def rollout_batch(self) -> tuple[Batch, dict]:
         """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
-        cfg, kept, num_prompts, gen_batches, metrics = self.cfg, [], 0, 0, {}
+        cfg, kept, num_prompts, metrics = self.cfg, [], 0, {}  # kept: what each generation batch kept
         fg, n = cfg.algorithm.filter_groups, cfg.rollout.n
         while num_prompts < cfg.data.train_batch_size:
-            if gen_batches >= max(fg.max_num_gen_batches, 1) and fg.enable:
+            if len(kept) >= max(fg.max_num_gen_batches, 1) and fg.enable:
                 raise RuntimeError(f"algorithm.filter_groups: only {num_prompts} of {cfg.data.train_batch_size} "
-                                   f"prompts had varied {fg.metric!r} after {gen_batches} generation batches "
+                                   f"prompts had varied {fg.metric!r} after {len(kept)} generation batches "
                                    "(algorithm.filter_groups.max_num_gen_batches); raise it or check the rewards")
             items = self.train_data.get_batch(self.sampler.next_indices())
             with timed(metrics, "gen"):
-                comps = self.generate(items, cfg.rollout.temperature, n,
-                                      seed=cfg.trainer.seed + 7919 * self.step + gen_batches)
-            batch = Batch.from_completions(items, comps, cfg.data.max_response_length)
+                batch = self.generate(items, cfg.rollout.temperature, n,
+                                      seed=cfg.trainer.seed + 7919 * self.step + len(kept))
             scores, extras, errors = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
             batch.tensors.update(score=scores, **{"extra/" + k: v for k, v in extras.items()})
-            gen_batches += 1
             if not fg.enable:
                 return batch, metrics
             metric = scores if fg.metric == "score" else batch.tensors.get("extra/" + fg.metric)
@@ -555,7 +549,7 @@ class Trainer:
             keep = alg.filter_groups(metric, batch.index).nonzero().flatten().tolist()
             kept.append(batch.select(keep))
             num_prompts += len(keep) // n
-        metrics["train/num_gen_batches"] = float(gen_batches)
+        metrics["train/num_gen_batches"] = float(len(kept))
         batch = Batch.combine(kept, torch.cat, lambda lists: sum(lists, []))  # concatenate
         return batch.select(list(range(cfg.data.train_batch_size * n))), metrics
 
@@ -577,23 +571,23 @@ class Trainer:
         with torch.no_grad():
             outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)
         role.model.train()
-        contribute = lay.is_last_stage and lay.tp_rank == 0
         full = torch.zeros(len(batch), R, device=self.device)
-        for mb, o in zip(mbs, outs) if contribute else []:
+        for mb, o in zip(mbs, outs) if lay.is_last_stage and lay.tp_rank == 0 else []:
             full[mb["rows"]] = scatter_rows(mb, o["out"].float(), R)
         return world_all_reduce(full).cpu()  # the other ranks add their zeros
 
-    def update(self, role: Role, batch: Batch, loss_fn, epochs: int, agg_mode: str, name: str) -> dict[str, float]:
-        """`epochs` x mini-batches of optimizer steps; loss_fn(model, hidden, mb, denom) -> (loss, metrics).
-        Returns the loss metrics averaged over the optimizer steps, `<name>/grad_norm` and `<name>/lr`."""
-        cfg, lay, o = self.cfg, self.layout, role.ocfg
+    def update(self, name: str, batch: Batch, loss_fn) -> dict[str, float]:
+        """`<name>.ppo_epochs` x mini-batches of optimizer steps of the actor or critic; loss_fn(model, hidden, mb,
+        denom) -> (loss, metrics). Returns the loss metrics averaged over the steps, `<name>/grad_norm`, `<name>/lr`."""
+        cfg, lay, role, rc = self.cfg, self.layout, getattr(self, name), getattr(self.cfg, name)
         mini, per_step = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, []  # rows per mini-batch; metrics per step
+        o = rc.optim
         lr = lr_at(self.step, cfg.trainer.total_steps, o.lr, o.lr_warmup_steps, o.lr_schedule, o.min_lr_ratio)
-        for _ in range(epochs):
+        for _ in range(rc.ppo_epochs if rc.ppo_epochs > 0 else cfg.actor.ppo_epochs):  # -1: the actor's
             for start in range(0, len(batch), mini):
                 rows = list(range(start, min(start + mini, len(batch))))
                 mask = batch.response_mask[rows]
-                denom = {"agg": alg.loss_denominator(mask, agg_mode), "tokens": float(mask.sum())}
+                denom = {"agg": alg.loss_denominator(mask, rc.loss_agg_mode), "tokens": float(mask.sum())}
                 mbs = dp_micro_batches(batch.prompts, batch.responses, rows, cfg.actor.max_tokens_per_micro_batch,
                                        lay.dp, lay.dp_rank, self.device)
                 role.optim.zero_grad()
@@ -620,8 +614,8 @@ class Trainer:
         if ob.enable:
             scores = scores + alg.compute_overlong_penalty(resp_len, cfg.data.max_response_length, ob.len,
                                                            ob.penalty_factor)
-        token_scores = torch.zeros_like(mask)  # the outcome reward sits on the last response token
-        token_scores[torch.arange(len(batch)), (resp_len.long() - 1).clamp(min=0)] = scores * (resp_len > 0)
+        rewards = torch.zeros_like(mask)  # the outcome reward sits on the last response token
+        rewards[torch.arange(len(batch)), (resp_len.long() - 1).clamp(min=0)] = scores * (resp_len > 0)
         if al.rollout_is.bypass_mode:  # pi_old is the generator's: no forward pass, and no mismatch to measure
             T["old_log_probs"] = batch.rollout_log_probs
         else:
@@ -637,32 +631,26 @@ class Trainer:
         if self.critic is not None:
             with timed(metrics, "values"):
                 T["values"] = self.forward_only(self.critic, batch, values=True)
-        rewards = token_scores
         if al.use_kl_in_reward:
-            rewards, km = alg.apply_kl_penalty(token_scores, T["old_log_probs"], T["ref_log_probs"], mask,
-                                               self.kl_ctrl, al.kl_penalty)
+            rewards, km = alg.apply_kl_penalty(rewards, T["old_log_probs"], T["ref_log_probs"], mask, self.kl_ctrl,
+                                               al.kl_penalty)
             metrics.update(km)
         T["advantages"], T["returns"] = alg.compute_advantage(
             al.adv_estimator, rewards, mask, index=batch.index, values=T.get("values"), gamma=al.gamma, lam=al.lam,
             norm_adv_by_std_in_grpo=al.norm_adv_by_std_in_grpo)
         if self.critic is not None:
-            epochs = cfg.critic.ppo_epochs if cfg.critic.ppo_epochs > 0 else cfg.actor.ppo_epochs
             with timed(metrics, "update_critic"):
-                metrics.update(self.update(self.critic, batch, critic_loss_fn(cfg, batch), epochs,
-                                           cfg.critic.loss_agg_mode, "critic"))
+                metrics.update(self.update("critic", batch, critic_loss_fn(cfg, batch)))
         with timed(metrics, "update_actor"):
-            metrics.update(self.update(self.actor, batch, actor_loss_fn(cfg, self.layout, batch),
-                                       cfg.actor.ppo_epochs, cfg.actor.loss_agg_mode, "actor"))
+            metrics.update(self.update("actor", batch, actor_loss_fn(cfg, self.layout, batch)))
         metrics["timing_s/step"] = time.perf_counter() - t_start
         return {**metrics, **self.batch_metrics(batch, scores, rewards, metrics)}
 
     def batch_metrics(self, batch: Batch, scores, rewards, timing: dict) -> dict:
-        cfg, c, valid = self.cfg, self.mcfg, batch.response_mask.bool()
-        resp_len = batch.response_mask.sum(-1)
-        plen = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
+        cfg, c, T, valid = self.cfg, self.mcfg, batch.tensors, batch.response_mask.bool()
+        resp_len, plen = batch.response_mask.sum(-1), torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
         tokens = float(resp_len.sum() + plen.sum())
-        adv, ret = ((batch.tensors["advantages"][valid], batch.tensors["returns"][valid]) if valid.any()
-                    else (torch.zeros(1), torch.zeros(1)))
+        adv, ret = (T["advantages"][valid], T["returns"][valid]) if valid.any() else (torch.zeros(1), torch.zeros(1))
         m = {f"{k}/{stat}": float(getattr(x.float(), stat)()) for stat in ("mean", "max", "min") for k, x in (
             ("critic/score", scores), ("critic/rewards", rewards.sum(-1)), ("critic/advantages", adv),
             ("critic/returns", ret), ("response_length", resp_len), ("prompt_length", plen))}
@@ -686,8 +674,7 @@ class Trainer:
         by_src, records = {}, []  # scores by data source; the first 64 samples, written out
         for start in range(0, n, cfg.data.val_batch_size):
             items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
-            comps = self.generate(items, cfg.rollout.val_temperature, cfg.rollout.val_n, seed=cfg.trainer.seed)
-            batch = Batch.from_completions(items, comps, cfg.data.max_response_length)
+            batch = self.generate(items, cfg.rollout.val_temperature, cfg.rollout.val_n, seed=cfg.trainer.seed)
             scores = self.score(batch)[0]
             texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
             for i in range(len(batch)):
@@ -725,11 +712,9 @@ class Trainer:
         torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
         barrier()
         if self.rank == 0:
-            meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": self.mcfg.raw}
-            write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-            if self.critic is not None:
-                write_text(os.path.join(tmp, "critic", "meta.json"),
-                           json.dumps({**meta, "model_config": self.critic.model.cfg.raw}, indent=1))
+            for role, d in self._role_dirs(tmp):
+                meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": role.model.cfg.raw}
+                write_text(os.path.join(d, "meta.json"), json.dumps(meta, indent=1))
             for f in os.listdir(self.cfg.actor.model_path):
                 if f.startswith(TOKENIZER_FILES):
                     shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
@@ -769,12 +754,11 @@ class Trainer:
         for (role, _), n in zip(self._role_dirs(path), st["optim_steps"]):
             role.optim.step_count = n
         if same:  # per-rank streams; another layout restarts them (the sampling noise is counter-based)
-            rng = st["rng"]
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
+            random.setstate(st["rng"]["python"])
+            np.random.set_state(st["rng"]["numpy"])
+            torch.set_rng_state(st["rng"]["torch"])
+            if "cuda" in st["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(st["rng"]["cuda"])
         else:
             print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
                   f"tp={lay.tp} pp={lay.pp} dp={lay.dp}", flush=True)
