@@ -74,7 +74,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 def _group_stats(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor):
-    """(mask as float, scores s_i, and per sample its group's size, mean and unbiased std), via index_add."""
+    """(mask as float, scores s_i, per sample its group's size, mean and unbiased std); a singleton: mean 0, std 1."""
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _masked_sum(token_level_rewards, mask, dim=-1)
     _, gid = torch.unique(index, return_inverse=True)  # arbitrary ids -> 0..G-1
@@ -83,7 +83,8 @@ def _group_stats(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
     mean = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, scores) / count
     sq = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, (scores - mean[gid]) ** 2)
     std = (sq / (count - 1).clamp_min(1)).sqrt()
-    return mask, scores, count[gid], mean[gid], std[gid]
+    single = count[gid] == 1
+    return mask, scores, count[gid], torch.where(single, 0.0, mean[gid]), torch.where(single, 1.0, std[gid])
 
 
 # --------------------------------------------------------------------------- advantage estimators
@@ -105,8 +106,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
         adv[:, t] = a * m
         next_value = values[:, t] * m + (1 - m) * next_value
         next_adv = a * m + (1 - m) * next_adv
-    returns = (adv + values) * mask
-    return masked_whiten(adv, mask) * mask, returns
+    return masked_whiten(adv, mask) * mask, (adv + values) * mask
 
 
 def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
@@ -115,9 +115,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon), std unbiased; Dr.GRPO (no std): A_i = s_i - mean_g.
     A singleton group has no baseline: mean 0 and std 1, so A_i = s_i / (1 + eps) (verl).
     Returns (A, A) broadcast over valid tokens."""
-    mask, scores, count, mean, std = _group_stats(token_level_rewards, response_mask, index)
-    single = count == 1
-    mean, std = torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
+    mask, scores, _, mean, std = _group_stats(token_level_rewards, response_mask, index)
     adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
     adv = adv.unsqueeze(-1) * mask
     return adv, adv
@@ -126,9 +124,8 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
 def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                    index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: A_i = s_i - (1/(n-1)) sum_{j != i} s_j = n/(n-1) (s_i - mean_g) for a group of n.
-
-    Convention: a singleton group has no other sample to form a baseline, so its
-    advantage is 0 (it teaches nothing). verl instead passes the raw score through."""
+    A singleton group has no other sample to form a baseline, so its advantage is 0: it teaches nothing (verl
+    instead passes the raw score through)."""
     mask, scores, count, mean, _ = _group_stats(token_level_rewards, response_mask, index)
     adv = torch.where(count > 1, count / (count - 1).clamp_min(1) * (scores - mean), torch.zeros_like(scores))
     adv = adv.unsqueeze(-1) * mask
@@ -143,10 +140,8 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     rewards = token_level_rewards * mask
     returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = (rewards[:, t] + gamma * running) * mask[:, t]  # padding before a token must not carry its return
         returns[:, t] = running
-        running = running * mask[:, t]  # padding before a token must not carry its return
-    returns = returns * mask
     return masked_whiten(returns, mask) * mask, returns
 
 
@@ -155,9 +150,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
                                                            epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps inside the sqrt.
     A singleton group's mean is 0 (as in GRPO). Returns (A, A)."""
-    mask, scores, count, mean, _ = _group_stats(token_level_rewards, response_mask, index)
-    centered = (scores - torch.where(count > 1, mean, torch.zeros_like(mean))).unsqueeze(-1) * mask
-    adv = masked_whiten(centered, mask, eps=epsilon) * mask
+    mask, scores, _, mean, _ = _group_stats(token_level_rewards, response_mask, index)
+    adv = masked_whiten((scores - mean).unsqueeze(-1) * mask, mask, eps=epsilon) * mask
     return adv, adv
 
 
@@ -203,30 +197,25 @@ def loss_denominator(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, global_denominator: float,
              horizon: int | None = None) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss (formulas in the module docstring).
-
-    token-mean / seq-mean-token-sum: sum(m L) / D;  seq-mean-token-mean: sum_i(mean_t L) / D;
-    seq-mean-token-sum-norm: sum(m L) / (D * horizon). D = `global_denominator`."""
+    """This micro-batch's share of the mini-batch loss (formulas in the module docstring)."""
     denom = max(float(global_denominator), 1e-8)  # an all-padding mini-batch gives 0, not nan
-    if loss_agg_mode in ("token-mean", "seq-mean-token-sum"):
-        return _masked_sum(loss_mat, loss_mask) / denom
-    elif loss_agg_mode == "seq-mean-token-mean":
+    if loss_agg_mode == "seq-mean-token-mean":
         return masked_mean(loss_mat, loss_mask, dim=-1).sum() / denom
-    elif loss_agg_mode == "seq-mean-token-sum-norm":
+    if loss_agg_mode == "seq-mean-token-sum-norm":
         if horizon is None:
             raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs a constant `horizon` (max response length)")
-        return _masked_sum(loss_mat, loss_mask) / (denom * horizon)
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+        denom *= horizon
+    elif loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    return _masked_sum(loss_mat, loss_mask) / denom
 
 
 def _metric_tokens(loss_agg_mode: str, global_denominator: float, global_tokens: float | None) -> float:
     """Token count used for additive metrics: the loss denominator itself in token-mean mode."""
-    if global_tokens is not None:
-        return max(float(global_tokens), 1e-8)
-    if loss_agg_mode == "token-mean":
-        return max(float(global_denominator), 1e-8)
-    raise ValueError(f"loss_agg_mode={loss_agg_mode!r} counts sequences; pass global_tokens "
-                     "(sum of loss_denominator(mask, 'token-mean') over micro-batches and ranks) for the metrics")
+    if global_tokens is None and loss_agg_mode != "token-mean":
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} counts sequences; pass global_tokens "
+                         "(sum of loss_denominator(mask, 'token-mean') over micro-batches and ranks) for the metrics")
+    return max(float(global_denominator if global_tokens is None else global_tokens), 1e-8)
 
 
 # --------------------------------------------------------------------------- policy and value losses

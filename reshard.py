@@ -2,37 +2,33 @@
 
 Why two layouts
 ---------------
-Training wants tensor and pipeline parallelism (tp x pp) to fit activations and optimizer state; decoding
-is memory-bound and wants the smallest TP that fits and no pipeline, for many independent replicas. The
-generation layout is (tp_g, pp = 1, dp_g = W / tp_g) over the same W ranks; the actor's weights are
-resharded in place between the two (HybridFlow's 3D-HybridEngine).
+Training wants tensor and pipeline parallelism (tp x pp) to fit activations and optimizer state; memory-bound decoding
+wants the smallest TP that fits, no pipeline and many replicas: the generation layout (tp_g, pp = 1, dp_g = W / tp_g)
+on the same W ranks. The actor's weights are resharded in place between the two (HybridFlow's 3D-HybridEngine).
 
 The grouping rule
 -----------------
-Every rank's training shard must be a part of its generation shard. With k = tp / tp_g, generation TP
-slice g is the union of training TP slices g*k .. g*k+k-1 of every layer. The m = k * pp ranks of one
-replica holding those slices (k neighbouring TP ranks, all stages) form a *micro-DP group*: they all end
-up with the same generation shard, so one all-gather inside the group builds it, all groups gather
-concurrently, and nobody receives anything it does not keep. A rank's generation TP group is its stage's
-ranks with the same t % k; its generation TP rank is t // k. W=8, tp=4, pp=1, dp=2, tp_g=2:
+Every rank's training shard must be part of its generation shard. With k = tp / tp_g, generation TP slice g is the
+union of training TP slices g*k .. g*k+k-1 of every layer. The m = k * pp ranks of a replica holding them (k
+neighbouring TP ranks, all stages) form a *micro-DP group*: all end up with the same generation shard, so one
+all-gather in the group builds it, all groups gather concurrently, and nobody receives what it does not keep. A rank's
+generation TP group is its stage's ranks with the same t % k, its rank there t // k. W=8, tp=4, pp=1, dp=2, tp_g=2:
 
     training TP groups  [0 1 2 3] [4 5 6 7]
     micro-DP groups     [0 1] [2 3] [4 5] [6 7]     rank 2 holds slice 2, gathers 3 -> slices 2-3
     generation TP       [0 2] [1 3] [4 6] [5 7]     = generation shard 1 of group [0 2]
 
-tp_g > tp is allowed from tp = 1 (from tp > 1 the generation TP rank could not follow the global rank
-order, which torch's groups impose and vocab-parallel sampling uses): replicas d0*n .. d0*n+n-1 (n = tp_g)
-form a generation TP group and replica d narrows its shard to slice d % n. With pp > 1 a rank also gathers
-the other stages' layers. Fused parameters follow `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k
-gathered blocks merge piece by piece, on head boundaries.
+tp_g > tp needs tp = 1 (from tp > 1 the generation TP rank could not follow the global rank order that torch's groups
+impose and vocab-parallel sampling uses): replicas d0*n .. d0*n+n-1 (n = tp_g) form a generation TP group, replica d
+keeping slice d % n of its shard. With pp > 1 a rank also gathers other stages' layers. Fused parameters follow
+`p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks merge per piece, on head boundaries.
 
 Memory
 ------
-Each bucket (whole layers, about `bucket_bytes` gathered) is one flat in-place all-gather: a rank copies
-its part into its slot and releases its training tensor (only its storage: the Parameter, its hooks and
-the optimizer's references stay). The gathered bucket becomes the generation weights: views into it when
-k = 1, merged copies when k > 1 (the bucket is then freed). On exit each released training tensor is
-rebuilt, bit for bit, from its slice of the generation weights. Extra bytes a rank holds (`stats`):
+Each bucket (whole layers, about `bucket_bytes` gathered) is one flat in-place all-gather: a rank copies its part into
+its slot and releases its training tensor (only the storage: the Parameter, its hooks and the optimizer's references
+stay). The gathered bucket is the generation weights: views into it when k = 1, merged copies when k > 1 (freeing the
+bucket). On exit each released tensor is rebuilt bit for bit from its slice of them. Extra bytes held (`stats`):
     tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
     tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
     tp_g >  tp:           <= gen + padding (the training shard stays whole: it is more than gen)
@@ -137,7 +133,7 @@ def _owned(t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 class _Entry:
     train: str  # name in its stage's training model
     gen: str  # name in the generation model
-    shape: tuple  # what its stage's ranks contribute: their training shard, narrowed when tp_g > tp
+    shape: torch.Size  # what its stage's ranks contribute: their training shard, narrowed when tp_g > tp
     tp_dim: int | None
     parts: list | None  # full sizes of the fused pieces along tp_dim
     offset: int = 0  # element offset in the contributor's slot of the bucket
@@ -155,7 +151,7 @@ def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_
         if name.startswith("value_head.") or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
             continue
         gen = re.sub(r"^layers\.(\d+)", lambda layer: f"layers.{start + int(layer[1])}", name)  # stage-local -> global
-        shape = tuple(s // n if d == prm.tp_dim else s for d, s in enumerate(prm.shape))
+        shape = torch.Size(s // n if d == prm.tp_dim else s for d, s in enumerate(prm.shape))
         out.append(_Entry(name, gen, shape, prm.tp_dim, prm.tp_parts))
     return out
 
@@ -164,10 +160,9 @@ def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_
 
 
 class Resharder:
-    """Train <-> generation resharding of one actor. `with r.generation() as gen_model:` hands out a
-    pp=1 Transformer in `r.gen_layout`; the training model must not be used inside the block (its
-    resharded tensors are released there), and `offload_optimizers` (objects with offload() and reload(), e.g.
-    ShardedAdamW) hold no device memory inside it. Collective: all ranks enter and leave together."""
+    """Train <-> generation resharding of one actor. Collective: `with r.generation() as gen_model:` (all ranks enter
+    and leave together) yields a pp=1 Transformer in `r.gen_layout`; inside, the training model must not be used (its
+    resharded tensors are released); `offload_optimizers` (offload/reload, e.g. ShardedAdamW) hold no device memory."""
 
     def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizers=(), seed: int = 0,
                  bucket_bytes: int = 1 << 30):
@@ -175,6 +170,7 @@ class Resharder:
         validate_layout(model.cfg, tp_g, 1, layout.world_size, name=f"rollout tp={tp_g}")
         self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
+        self.c_me = layout.tp_rank % self.k  # this rank's block in a merge; a narrowing rank keeps slice dp_rank % n
         self.gen_seed = seed * 100_003 + self.gen_layout.dp_rank + 1  # one stream per generation TP group
         self._rng, self._held, self.last_timing = {"train": None, "gen": None}, [], 0.0
         if len(dtypes := {p.dtype for p in model.parameters()}) != 1:
@@ -201,7 +197,7 @@ class Resharder:
         stages = [_stage_entries(cfg, lay.tp, lay.pp, p, self.n) for p in range(lay.pp)]
         covered = {e.gen for es in stages for e in es}
         assert covered == set(self._meta), f"generation parameters not covered: {covered ^ set(self._meta)}"
-        size = lambda es: sum(torch.Size(e.shape).numel() for e in es)  # noqa: E731
+        size = lambda es: sum(e.shape.numel() for e in es)  # noqa: E731
         item = torch.finfo(self.dtype).bits // 8
         per = max(1, bucket_bytes // (item * m * size(e for e in stages[0] if e.train.startswith("layers.0."))))
         layers0 = {e.train.split(".")[1] for e in stages[0] if e.train.startswith("layers.")}  # stage 0 has most
@@ -213,7 +209,7 @@ class Resharder:
                      else nl + (lay.pp == 1 and not e.train.startswith("embed_tokens.")))
                 e.offset = size(self.buckets[p][b])
                 self.buckets[p][b].append(e)
-        self.chunks = [max(size(st[b]) for st in self.buckets) for b in range(len(self.buckets[0]))]
+        self.chunks = [max(map(size, column)) for column in zip(*self.buckets)]
         gathered = [m * c * item for c in self.chunks] if m > 1 else [0]
         gen = sum(p.numel() for p in self._meta.values()) * item
         self.stats.update(gen_bytes=gen, buckets=len(self.chunks), max_bucket_bytes=max(gathered),
@@ -243,8 +239,8 @@ class Resharder:
             self.last_timing = self.stats.get("enter_s", 0.0) + self.stats["exit_s"]
 
     def _account(self, nbytes: int) -> None:
-        self._live += nbytes
-        self._peak = max(self._peak, self._live)
+        self.stats["steady_extra_bytes"] += nbytes
+        self.stats["peak_extra_bytes"] = max(self.stats["peak_extra_bytes"], self.stats["steady_extra_bytes"])
 
     def _set(self, name: str, data: torch.Tensor | None) -> None:
         """Point a generation parameter at real data (None: back to its meta placeholder)."""
@@ -258,16 +254,14 @@ class Resharder:
     @torch.no_grad()
     def _gather(self) -> None:
         lay, k, n, m, me = self.layout, self.k, self.n, len(self.micro_ranks), self.me
-        own = dict(self.model.named_parameters())
-        c_me = lay.tp_rank % k  # this rank's block in a merge; a narrowing rank keeps slice dp_rank % n
-        self._live = self._peak = self.stats["released_bytes"] = 0
+        self.stats.update(released_bytes=0, peak_extra_bytes=0, steady_extra_bytes=0)
         for b, chunk in enumerate(self.chunks):
             mine = self.buckets[lay.pp_rank][b]
             released = []  # (param, entry) released until exit; gathered views keep their bucket alive
             self._held.append(released)
             if m == 1:  # tp_g > tp = 1 and pp == 1: narrow, no communication
                 for e in mine:
-                    data = _sub(own[e.train].detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
+                    data = _sub(self.model.get_parameter(e.train).detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
                     self._account(data.nbytes if e.parts and len(e.parts) > 1 else 0)  # fused: a concatenated copy
                     self._set(e.gen, data)
                 continue
@@ -275,40 +269,35 @@ class Resharder:
             self._account(buf.nbytes)
             slots = buf.view(m, chunk)
             for e in mine:
-                p = own[e.train]
+                p = self.model.get_parameter(e.train)
                 part = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
                 slots[me, e.offset:e.offset + part.numel()].view(e.shape).copy_(part)
                 if n == 1:  # its slot holds this shard now: release the training copy until exit
                     self._account(-p.nbytes)
                     self.stats["released_bytes"] += p.nbytes
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    p.data = p.data.new_empty(0)
                     released.append((p, e))
             _all_gather_flat(buf, slots[me], group=self.group)
             for stage, runs in enumerate(self.buckets):
                 for e in runs[b]:
-                    numel = torch.Size(e.shape).numel()
-                    blocks = [slots[stage * k + c, e.offset:e.offset + numel].view(e.shape) for c in range(k)]
-                    if k == 1:
-                        data = blocks[0]
-                    else:  # replicated: this rank's own copy, bitwise what it released
-                        data = (_owned(blocks[c_me], buf) if e.tp_dim is None else
-                                _merge(blocks, e.tp_dim, e.local(lay.tp)))
+                    blocks = [slots[stage * k + c, e.offset:e.offset + e.shape.numel()].view(e.shape) for c in range(k)]
+                    data = blocks[self.c_me]  # k == 1: a view into the bucket
+                    if k > 1:  # replicated: this rank's own copy, bitwise what it released
+                        data = _owned(data, buf) if e.tp_dim is None else _merge(blocks, e.tp_dim, e.local(lay.tp))
                         self._account(data.nbytes)
                     self._set(e.gen, data)
             if k > 1:  # the merged copies are the generation weights: the bucket goes now
                 self._account(-buf.nbytes)
             del buf, slots, blocks
-        self.stats.update(peak_extra_bytes=self._peak, steady_extra_bytes=self._live)
 
     @torch.no_grad()
     def _release(self) -> None:
         """Rebuild each released training tensor from its slice of the generation weights, bucket by bucket,
         dropping each bucket as soon as its tensors are back (m = 1 has one stage: its entries are all set)."""
-        k, c_me, tp_g = self.k, self.layout.tp_rank % self.k, self.gen_layout.tp
         for b, released in enumerate(self._held):
             for p, e in released:
                 g = self.gen_model.get_parameter(e.gen).detach()
-                p.data = _owned(_sub(g, e.tp_dim, e.local(tp_g), k, c_me), g)
+                p.data = _owned(_sub(g, e.tp_dim, e.local(self.gen_layout.tp), self.k, self.c_me), g)
             for runs in self.buckets:
                 for e in runs[b]:
                     self._set(e.gen, None)
@@ -422,9 +411,8 @@ def read_shard(model: Transformer, ckpt_dir: str, prefix: str = "model"):
 @torch.no_grad()
 def load_into(model: Transformer, ckpt_dir: str) -> None:
     """Fill this rank's shard of `model` (any layout) from a checkpoint written under any other layout."""
-    params = dict(model.named_parameters())
     for name, local in read_shard(model, ckpt_dir):
-        params[name].copy_(local)
+        model.get_parameter(name).copy_(local)
 
 
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "added_tokens",

@@ -15,8 +15,7 @@ The rules:
                  two plain numbers or simple fractions are compared exactly as rationals (0.5 == \\frac{1}{2}).
   math_dapo      DAPO's rule: the text after the last "Answer:" in the last 300 characters, +1 if equivalent to the
                  ground truth else -1, returned as {"score", "acc", "pred"}. Also used for "aime*" data sources.
-  synthetic/*    toy tasks from data.py: the stripped response must start with the ground truth ("add" also
-                 requires that no digit follows).
+  synthetic/*    toy tasks (data.py): the stripped response starts with the ground truth (for "add", no digit follows).
 
 `load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same signature, and `score_batch`
 runs a scorer over a batch without letting one bad sample crash the run."""
@@ -67,7 +66,7 @@ def last_boxed_only_string(text: str) -> str | None:
     if (idx := max(text.rfind("\\boxed"), text.rfind("\\fbox"))) < 0:
         return None
     if text.startswith("\\boxed ", idx):
-        return "\\boxed " + text[idx + len("\\boxed "):].split("$")[0]
+        return text[idx:].split("$")[0]
     depth = 0
     for j in range(idx, len(text)):
         if text[j] == "{":
@@ -140,8 +139,7 @@ def math_score(solution_str: str, ground_truth: str) -> float:
     """1.0 if the last boxed answer of the response equals the ground truth, else 0.0."""
     if (boxed := last_boxed_only_string(solution_str)) is None:
         return 0.0
-    if "\\boxed" in ground_truth or "\\fbox" in ground_truth:
-        ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)
+    ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)  # a boxed ground truth too
     return 1.0 if is_equiv(remove_boxed(boxed), ground_truth) else 0.0
 
 
@@ -234,14 +232,12 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
             logger.warning("reward function failed on sample %d (data_source=%r): %r", i, data_sources[i], e)
             num_errors += 1
             result = 0.0
-        if isinstance(result, dict) and isinstance(result.get("score"), numbers.Real):
-            scores.append(float(result["score"]))
-            extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)})
-        elif isinstance(result, numbers.Real):
-            scores.append(float(result))
-            extra_rows.append({})
-        else:
+        if isinstance(result, numbers.Real):
+            result = {"score": result}
+        if not (isinstance(result, dict) and isinstance(result.get("score"), numbers.Real)):
             raise TypeError(f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
                             "expected a number or a dict with a numeric 'score'")
+        scores.append(float(result["score"]))
+        extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)})
     keys = dict.fromkeys(k for row in extra_rows for k in row)  # in order of first appearance
     return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, num_errors

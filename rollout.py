@@ -13,12 +13,11 @@ row reads the prompt's positions from the lowest live row of its prompt (`src`, 
 one prompt run side by side, so n-1 of those reads come from L2, not HBM. In a GRPO step the prompt is a large part
 of the k/v a step reads. The copies are still made: when that row ends, the next live sample takes over.
 
-**Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one small copy of the
-per-row `done` flags and token counts); in between, the next tokens, row lengths, outputs and the stop test (a stop
-token, or max_new_tokens) stay on the device: no host sync per token. At a check, finished rows are read out and
-refilled from the waiting prompts, so a long tail does not idle the batch (a row done mid-window decodes a few tokens
-nobody reads). When nothing is waiting and few rows are live, they move to the front (k/v copied) so decode runs over
-fewer rows.
+**Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one small copy of the per-row
+`done` flags and token counts); in between, the next tokens, row lengths, outputs and the stop test (a stop token, or
+max_new_tokens) stay on the device: no host sync per token. At a check, finished rows are read out and refilled from the
+waiting prompts, so a long tail does not idle the batch (a row done mid-window decodes a few tokens nobody reads). When
+nothing is waiting and few rows are live, they move to the front (k/v copied) so decode runs over fewer rows.
 
 A decode step runs rows 0..B-1, each attending to its own length. On CUDA each step (forward, sampling, bookkeeping)
 is captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling settings) over static buffers, after
@@ -109,8 +108,7 @@ def _fmix32(x):
 
 
 def sample_key(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The random stream of one sample; distinct for the samples of one prompt (the last step is a
-    bijection of sample_index)."""
+    """One sample's random stream; distinct for a prompt's samples (the last step is a bijection of sample_index)."""
     h = _fmix32((seed & _M32) ^ _fmix32(((seed >> 32) + 0x7F4A7C15) & _M32))
     h = _fmix32(h ^ _fmix32((prompt_index * _GOLDEN + 0x632BE5AB) & _M32))
     return _fmix32((h + sample_index * _GOLDEN) & _M32)
@@ -256,11 +254,10 @@ class Generator:
     """Generation from a full (pp == 1) model, tensor-parallel over `model.layout.tp_group`: every rank of
     that group calls generate() with the same prompts and gets the same completions.
 
-    The KV cache budget is `kv_cache_tokens`, or on CUDA `gpu_memory_fraction` of the free memory (the
-    minimum over the TP group), or on CPU max_rows * max_len. With max_len None the cache is sized at the
-    first generate() to its longest prompt + max_new_tokens (regrown if a later call needs more).
-    `vocab_size` keeps ids past the tokenizer's vocabulary from being drawn (their logits stay in the
-    softmax). `free()` drops the cache and the graphs; the model is untouched."""
+    The KV cache budget is `kv_cache_tokens`, or on CUDA `gpu_memory_fraction` of the free memory (the minimum over the
+    TP group), or on CPU max_rows * max_len. With max_len None the cache is sized at the first generate() to its longest
+    prompt + max_new_tokens (regrown if a later call needs more). `vocab_size` keeps ids past the tokenizer's vocabulary
+    from being drawn (their logits stay in the softmax). `free()` drops the cache and graphs, not the model."""
 
     def __init__(self, model: Transformer, max_rows: int = 256, max_len: int | None = None,
                  kv_cache_tokens: int | None = None, gpu_memory_fraction: float = 0.5,
@@ -403,13 +400,13 @@ class Generator:
         self.stats["prefill_tokens"] += sum(lens)
 
     # --- the driver
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, eos_token_ids=(),
                  progress: bool = False, max_new_tokens: list[int] | None = None,
                  seeds: list[int] | None = None) -> list[Completion]:
-        """Sample params.n completions of every prompt; returned prompt-major (prompt 0 samples 0..n-1,
-        prompt 1, ...). Token ids include the stop token that ended a completion. `max_new_tokens`
-        optionally overrides params.max_new_tokens per prompt. Prompt p's draws are keyed by (params.seed, p);
-        with per-request `seeds` by (seeds[p]) alone, so they do not depend on the rest of the batch."""
+        """Sample params.n completions of every prompt, prompt-major (prompt 0's samples 0..n-1, then prompt 1, ...).
+        `max_new_tokens` optionally overrides params.max_new_tokens per prompt. Prompt p's draws are keyed by
+        (params.seed, p), or with per-request `seeds` by seeds[p] alone, independent of the rest of the batch."""
         params.check()
         if not prompts:
             return []
@@ -445,15 +442,10 @@ class Generator:
         self.stop_ids.copy_(torch.tensor(stops + [-1] * (MAX_STOP_IDS - len(stops))))
         self.done.fill_(True)
         self.lengths.fill_(1)
-        with torch.no_grad():
-            return self._run(prompts, params, max_new, set(stops), progress, streams)
-
-    def _run(self, prompts, params: SamplingParams, max_new: list[int], stops: set, progress: bool,
-             streams: list) -> list[Completion]:
         n, R = params.n, self.cache.rows
         admitted, total = 0, len(prompts) * n  # samples are admitted prompt-major: (p, s) is number p * n + s
         owner: list = [None] * R  # row -> (prompt, sample, prompt length, tokens generated as of the last sync)
-        results: dict = {}
+        results = [None] * total
         from tqdm import tqdm
         bar = tqdm(total=total, unit="seq", desc="generate", dynamic_ncols=True, disable=not progress)
         while True:
@@ -470,8 +462,7 @@ class Generator:
                 tokens += len(prompts[p])
                 for s, r in zip(range(s0, s0 + k), free[:k]):
                     owner[r] = (p, s, len(prompts[p]), 1)
-                free = free[k:]
-                admitted += k
+                free, admitted = free[k:], admitted + k
             if chunk:
                 self._prefill(chunk, prompts, streams, max_new)
             if not (live := [r for r in range(R) if owner[r] is not None]):
@@ -499,12 +490,12 @@ class Generator:
                 toks, lps = (buf[idx, :width].cpu().tolist() for buf in (self.out_tok, self.out_lp))
                 for r, t, lp in zip(finished, toks, lps):
                     p, s, _, k = owner[r]
-                    results[(p, s)] = Completion(p, s, t[:k], lp[:k], "stop" if t[k - 1] in stops else "length")
+                    results[p * n + s] = Completion(p, s, t[:k], lp[:k], "stop" if t[k - 1] in stops else "length")
                     owner[r] = None
                 self.lengths[idx] = 1  # idle rows: keep their attention short
                 bar.update(len(finished))
         bar.close()
-        return [results[(p, s)] for p in range(len(prompts)) for s in range(n)]
+        return results
 
     def _bucket(self, rows: int) -> int:
         return rows if self.buckets is None else next(b for b in self.buckets if b >= rows)
@@ -579,10 +570,9 @@ def main(argv: list[str] | None = None) -> None:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                  for t in texts]
     prompts = [tok.encode(t, add_special_tokens=not args.chat) for t in texts]
-    eos = set(_as_tuple(tok.eos_token_id))
     gen_cfg = os.path.join(args.model_dir, "generation_config.json")
-    if os.path.isfile(gen_cfg):
-        eos |= set(_as_tuple(read_json(gen_cfg).get("eos_token_id")))
+    cfg_eos = read_json(gen_cfg).get("eos_token_id") if os.path.isfile(gen_cfg) else None
+    eos = {*_as_tuple(tok.eos_token_id), *_as_tuple(cfg_eos)}
     model = load_model(args.model_dir, dtype=dtype, device=device).eval()
     gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
