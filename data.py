@@ -6,12 +6,11 @@ it, `reward_model.ground_truth` is what the scorer compares against, `extra_info
 (`ability`, ...) are carried along. The policy continues the chat-template rendering, generation prompt appended.
 
 **One tokenized copy per node.** Tokenizing a large dataset takes minutes, and eight ranks per node would hold eight
-copies. So the first process tokenizes everything once into an Arrow IPC file that every rank memory-maps: the page
-cache holds one shared copy, and reopening costs milliseconds. The file's name hashes all that decides its contents
-(the data files' bytes, the tokenizer's vocabulary and chat template, the length settings), so any change builds a
-new file rather than reusing a stale one. Whoever creates the lock file (O_CREAT|O_EXCL is atomic) builds to a
-temporary name and renames it into place while the rest wait; no torch.distributed needed. A file that fails to
-validate is rebuilt; a dead builder's lock is detected by its pid (or times out).
+copies. So one process tokenizes it all into an Arrow IPC file that every rank memory-maps: the page cache holds one
+shared copy, and reopening costs milliseconds. The file's name hashes all that decides its contents (data files'
+bytes, tokenizer vocabulary and chat template, length settings), so a change never reuses a stale file. Whoever
+creates the lock file (O_CREAT|O_EXCL is atomic) builds to a temporary name, then renames it, while the rest wait; no
+torch.distributed needed. An invalid file is rebuilt; a dead builder's lock is detected by its pid (or times out).
 
 **Sampling.** A fresh permutation per epoch from (seed, epoch), the tail too short for a batch dropped; the state is
 just (epoch, position), so a resumed run draws exactly the batches it would have drawn, also at an epoch boundary.
@@ -100,10 +99,9 @@ def _sha256_file(path: str) -> str:
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of what decides the token ids: the vocabulary/pipeline and the chat template."""
+    """A hash of what decides the token ids: the backend's whole pipeline (not just its vocab) and the chat template."""
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    # The backend's JSON covers normalizer, pre-tokenizer, merges and added tokens, not just the vocab.
     h.update(backend.to_str().encode() if backend is not None
              else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
@@ -122,16 +120,13 @@ def _clear_stale_lock(lock: str) -> None:
     """Remove a lock whose builder died on this host, so a crash does not block every later run."""
     try:
         host, pid = pathlib.Path(lock).read_text().split()
-    except (OSError, ValueError):  # gone already, or its owner is mid-write
-        return
-    try:
         if host == socket.gethostname():  # (another node's builder: only the timeout can tell)
             os.kill(int(pid), 0)  # signal 0 only checks that the process exists
     except ProcessLookupError:
         logger.warning("removing lock %s left by dead process %s", lock, pid)
         with contextlib.suppress(FileNotFoundError):
             os.remove(lock)
-    except PermissionError:  # alive, owned by another user
+    except (OSError, ValueError):  # lock gone already, its owner mid-write, or alive under another user
         pass
 
 
@@ -310,10 +305,8 @@ class PromptDataset:
 
 
 class Sampler:
-    """Batches of dataset indices: a seeded permutation per epoch, incomplete tails dropped.
-
-    `epoch` and `position` describe the last batch drawn; the next draw that does not fit in
-    what is left of the epoch starts the next one. Batch sizes may vary between calls."""
+    """Batches of dataset indices (see the module docstring). `epoch` and `position` describe the last batch drawn; a
+    draw that does not fit in what is left of the epoch starts the next one. Batch sizes may vary between calls."""
 
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
         if not 1 <= batch_size <= num_items:
@@ -383,8 +376,7 @@ def pack_micro_batches(seq_lens: list[int], max_tokens_per_micro_batch: int, dp_
     per_rank = [_first_fit_decreasing(part, seq_lens, budget) for part in _lpt_partition(seq_lens, dp_size)]
     target = max(len(mbs) for mbs in per_rank)
     for mbs in per_rank:
-        while len(mbs) < target:
-            # Split the heaviest micro-batch that can be split; this also shortens the slowest step.
+        while len(mbs) < target:  # split the heaviest splittable micro-batch: this also shortens the slowest step
             if not (splittable := [j for j in range(len(mbs)) if len(mbs[j]) > 1]):
                 mbs.append([])
                 continue
@@ -500,11 +492,10 @@ def synthetic_tokenizer():
 def _synthetic_rows(task: str, n: int, split: str, rng: np.random.Generator) -> list[dict]:
     rows = []
     for i in range(n):
+        a = int(rng.integers(10))
         if task == "copy":
-            d = int(rng.integers(10))
-            content, truth = f"copy {d}", str(d)
+            content, truth = f"copy {a}", str(a)
         else:
-            a = int(rng.integers(10))
             b = int(rng.integers(10 - a))  # a + b <= 9: the answer is one digit
             content, truth = f"{a}+{b}=", str(a + b)
         rows.append({"prompt": [{"role": "user", "content": content}], "data_source": f"synthetic/{task}",

@@ -15,8 +15,7 @@ each head of q and k (Qwen3), a head_dim that is not hidden/heads (Qwen3), group
 head shared by a group of q heads), the RoPE base and Llama-3 frequency rescaling, and a tied LM head.
 
 RoPE rotates each (x_i, x_{i+d/2}) pair of a q or k head by the angle pos * theta^(-2i/d), so q.k depends only
-on the distance between the two positions. Llama 3 divides the low frequencies by `factor` and blends the
-middle band, to stretch the context.
+on the distance between the two positions. Llama 3 stretches the context by dividing the low frequencies by `factor`.
 
 Shapes and parallelism
 ----------------------
@@ -193,8 +192,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, hk
     return torch.where(rotated, torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype), x)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: silu(gate) * up from the fused gate_up projection's output."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # SwiGLU's gate, from the fused gate_up projection
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -268,11 +266,10 @@ class _FlashGQA(torch.autograd.Function):
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, lengths, prefix=None):
     """One new token per cache row: q [B, H, d], its k_new, v_new [B, Hkv, d]; caches [B, Hkv, L, d]. Stores k_new,
-    v_new at position lengths[b] - 1 of row b, which then attends to its first lengths[b] positions; with prefix =
-    (src, plen) [B] int32 it reads the first plen[b] of them from row src[b] (a prompt's samples share one copy).
-    bf16 on CUDA: a split-K flash-decoding kernel that reads only those positions and does the store too (one launch
-    less per layer). Elsewhere two batched matmuls over the whole row with a length mask: one strided bmm over (row,
-    kv head), even for a prefix [:, :, :L] of longer rows. No host sync."""
+    v_new at position lengths[b] - 1 of row b, which then attends to its first lengths[b] positions, the first plen[b]
+    of them in row src[b] with prefix = (src, plen) [B] int32 (a prompt's samples share one copy). bf16 on CUDA: a
+    split-K flash-decoding kernel that reads only those positions and does the store too (one launch less per layer).
+    Elsewhere two batched matmuls over the (strided, not copied) rows with a length mask. No host sync."""
     if TRITON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _flash_decode(q, k_new, v_new, k_cache, v_cache, lengths, prefix)
     (B, H, d), (hkv, L) = q.shape, k_cache.shape[1:3]
@@ -299,12 +296,11 @@ if TRITON:
                             sk_h, sk_l, sv_b, sv_h, sv_l, so_b, so_h, G: tl.constexpr, D: tl.constexpr,
                             GP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr,
                             PREFIX: tl.constexpr):
-        """Program (row b, kv head h, split s): the G query heads of h against the s-th of S equal,
-        BLOCK-aligned parts of row b's keys; writes the running max, sum and unnormalised output of the
-        part (DIRECT, one part per row: the normalised output). The parts follow the row's length, read at run
-        time, so one CUDA graph serves every length. The part holding the new position n - 1 first stores the
-        new k, v there; the barrier makes them visible to the whole program's loads. PREFIX: positions below
-        Plen[b] come from row Src[b]; sibling rows' programs run side by side, so those re-reads hit L2."""
+        """Program (row b, kv head h, split s): the G query heads of h against the s-th of S equal, BLOCK-aligned parts
+        of row b's keys; writes the part's running max, sum and unnormalised output (DIRECT, one part per row: the
+        normalised output). The parts follow the row's length, read at run time, so one CUDA graph serves every length.
+        The part holding the new position n - 1 first stores the new k, v there; a barrier makes them visible to all
+        loads. PREFIX: positions below Plen[b] come from row Src[b], which sibling rows read at once (L2 hits)."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         row = b.to(tl.int64)  # a long cache's row offsets pass 2^31 elements
         n = tl.load(Lens + b)
@@ -394,9 +390,8 @@ class AttnContext:
     """How the tokens of one forward are arranged and where (if anywhere) their k/v go.
 
     train / log-probs: cu_seqlens + max_seqlen.  prefill: also `cache` and each token's cache row `slots` (positions
-    come from position_ids).  decode: `cache`, one token per cache row 0..B-1 at position lengths-1 (position_ids),
-    `lengths` = tokens in each row after this one is written, optionally max_seqlen >= max(lengths) to read only that
-    prefix of the rows (0: the whole row), and optionally `prefix` = (src, plen) (see decode_attention)."""
+    from position_ids).  decode: `cache`, `lengths` and `prefix` as in decode_attention (one token per cache row 0..B-1,
+    at position lengths-1), and max_seqlen >= max(lengths) to read only that many positions of each row (0: all)."""
 
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
@@ -450,14 +445,13 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
         qkv = fused(rope_qkv, qkv)(qkv, cos, sin, self.h, self.hkv, *norms)
         q, k, v = qkv.split([self.h, self.hkv, self.hkv], dim=1)
-        c = ctx.cache
+        c, i = ctx.cache, self.layer_idx
         if ctx.lengths is not None:  # decode: token b is the next token of cache row b (stored by the attention)
             L = ctx.max_seqlen or c.max_len  # attend over the first L positions only (L >= every length)
-            o = decode_attention(q, k, v, c.k[self.layer_idx, :T, :, :L], c.v[self.layer_idx, :T, :, :L], ctx.lengths,
-                                 ctx.prefix)
+            o = decode_attention(q, k, v, c.k[i, :T, :, :L], c.v[i, :T, :, :L], ctx.lengths, ctx.prefix)
         else:
             if c is not None:  # prefill: the prompts' k/v into their cache rows `slots`, at their positions
-                c.kv[self.layer_idx, ctx.slots, :, :, ctx.positions] = qkv[:, self.h:].view(T, 2, self.hkv, self.hd)
+                c.kv[i, ctx.slots, :, :, ctx.positions] = qkv[:, self.h:].view(T, 2, self.hkv, self.hd)
             o = varlen_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, ctx.backend, self.window)
         return self.o_proj(o.reshape(T, self.h * self.hd))
 
@@ -560,19 +554,16 @@ class Transformer(nn.Module):
         full_tensor(name, j, hf, shape) returns piece j (a tensor, or a lazy safetensors slice) in full."""
         t, r = self.layout.tp, self.layout.tp_rank
         for name, p in params:
-            pieces = []
-            for j, hf in enumerate(self.hf_names(name)):
-                d, shape = p.tp_dim, list(p.shape)
-                if d is not None:  # piece j in full; this rank reads its slice r of t along d
-                    shape[d] = p.tp_parts[j]
+            pieces, d = [], p.tp_dim
+            for j, hf in enumerate(self.hf_names(name)):  # piece j in full; this rank reads its slice r of t along d
+                shape = [p.tp_parts[j] if k == d else size for k, size in enumerate(p.shape)]
                 full, n = full_tensor(name, j, hf, shape), shape[d or 0] // t
                 pieces.append(full[:] if d is None else full[(slice(None),) * d + (slice(r * n, (r + 1) * n),)])
             with torch.no_grad():
-                p.copy_(torch.cat(pieces, dim=p.tp_dim or 0))
+                p.copy_(torch.cat(pieces, dim=d or 0))
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
-        """Seeded random weights that do not depend on the layout: every full tensor is drawn from its
-        own generator, then sliced like a checkpoint would be."""
+        """Layout-independent seeded weights: each full tensor has its own generator and is sliced like a checkpoint."""
         def draw(name, j, hf, shape):
             g = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, hf)) * 7919 + j)
             return torch.randn(shape, generator=g) * std if len(shape) > 1 else torch.full(shape, float("norm" in hf))

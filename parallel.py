@@ -22,10 +22,9 @@ column (whole heads per rank) then the output projection row: one all-reduce eac
 mirror each other: the identity `f` in front of a column layer all-reduces gradients in backward, the all-reduce
 `g` after a row layer is the identity in backward. The embedding and the LM head are split over the vocabulary.
 
-Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated) and
-`tp_parts` (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv projection: each piece is
-split separately on head boundaries, the local shard concatenates the local pieces). Loading, resharding and
-export all follow this one rule.
+Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated) and `tp_parts`
+(the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv: each is split separately on head
+boundaries, and the local shard concatenates the local pieces). Loading, resharding and export all follow this rule.
 
 Log-probs over a split vocabulary
 ---------------------------------
@@ -77,9 +76,8 @@ from torch import nn
 
 @dataclass
 class Layout:
-    """This rank's place in a dp x pp x tp grid and the process groups it belongs to. Groups are None when
-    their size is 1 (or in a single process), and every collective helper treats None as a no-op.
-    `*_ranks` are the global ranks of each group."""
+    """This rank's place in a dp x pp x tp grid and its process groups: None when of size 1 (or in a single process),
+    which every collective helper treats as a no-op. `*_ranks` are the global ranks of each group."""
 
     tp: int = 1
     pp: int = 1
@@ -244,8 +242,7 @@ def _param(shape: tuple, tp_dim, parts, dtype, device, init=torch.empty) -> nn.P
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., local outputs] = x W_local^T + b_local; W is split along its output rows. `parts` lists the
-    full output sizes of fused pieces (e.g. [q, k, v]); each is split over tp separately: rows [q_r; k_r; v_r]."""
+    """y[..., local outputs] = x W_local^T + b_local, W split by output rows ([q_r; k_r; v_r] for `parts` [q, k, v])."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: Layout,
                  parts: list[int] | None = None, dtype=None, device=None):
@@ -276,8 +273,7 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r*V/tp, (r+1)*V/tp) of the table; ids outside give zeros, and one all-reduce
-    assembles the embedding."""
+    """Rank r holds rows [r*V/tp, (r+1)*V/tp); other ids give zeros, and one all-reduce assembles the embedding."""
 
     def __init__(self, vocab_size: int, dim: int, layout: Layout, dtype=None, device=None):
         super().__init__()
@@ -363,8 +359,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {list(logits.shape)}, {list(targets.shape)}")
     logp, ent = _VocabParallelLogProb.apply(logits, targets, tp_group, float(temperature))
     return logp, (ent if with_entropy else None)
 
@@ -412,19 +407,17 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
     detached `outputs` of each micro-batch on the last stage and empty dicts elsewhere. Empty micro-batches
     skip the model; the last stage still calls loss_fn on an empty hidden (without grad) for their outputs."""
     work = [i for i, mb in enumerate(micro_batches) if _tokens(mb) > 0]
-    outputs: list[dict] = [{} for _ in micro_batches]
     param = next(model.parameters())
     if layout.pp_group not in _WARM_GROUPS:  # NCCL wants the whole group in its first collective
         all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
         _WARM_GROUPS.add(layout.pp_group)
-    for i, out in zip(work, _1f1b(model, layout, [micro_batches[i] for i in work], loss_fn, forward_only)):
-        outputs[i] = out
+    outputs = dict(zip(work, _1f1b(model, layout, [micro_batches[i] for i in work], loss_fn, forward_only)))
     if layout.is_last_stage:  # empty micro-batches: loss_fn on an empty hidden gives their outputs
         with torch.no_grad():
             for i, mb in enumerate(micro_batches):
                 if _tokens(mb) == 0:
                     outputs[i] = _detach(loss_fn(model, param.new_zeros(0, model.cfg.hidden_size), mb)[1])
-    return outputs
+    return [outputs.get(i, {}) for i in range(len(micro_batches))]
 
 
 def _1f1b(model, layout: Layout, mbs: list[dict], loss_fn, forward_only: bool) -> list[dict]:
@@ -497,10 +490,9 @@ def _cut_buckets(numels: list[int], bucket_size: int, dp: int) -> tuple[list[int
 class ShardedAdamW:
     """AdamW with fp32 master weights and moments sharded over the DP group (ZeRO-1, module docstring).
 
-    The flat buffer orders this rank's parameters by kind (see _kind), so that each property the optimizer needs
-    (weight decay or not, how the parameter counts in the grad norm, whether its gradient is a TP partial sum)
-    covers a few contiguous runs instead of a per-element mask. Gradients accumulate into the full fp32 buffer
-    through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation of bf16 grads loses
+    The flat buffer orders this rank's parameters by kind (_kind: weight decay?, norm weight, TP-partial grad?), so
+    that each property covers a few contiguous runs instead of a per-element mask. Gradients accumulate into the full
+    fp32 buffer through post-accumulate hooks (p.grad is freed at once), so micro-batch accumulation of bf16 grads loses
     nothing. Weight decay is decoupled and skipped for 1-D parameters (norms, biases)."""
 
     STATES = ("master", "exp_avg", "exp_avg_sq")  # this rank's fp32 parts: weights and Adam's two moments
@@ -513,8 +505,7 @@ class ShardedAdamW:
         if len({p.dtype for _, p in named}) != 1:
             raise ValueError(f"ShardedAdamW needs one compute dtype, got {sorted({str(p.dtype) for _, p in named})}")
         dev = named[0][1].device
-        # pp > 1 with tied embeddings: the first stage's embed_tokens and the last stage's lm_head are copies
-        # kept equal by summing their grads; the last stage's copy is left out of the norm.
+        # pp > 1 with tied embeddings: the first stage's embed_tokens and the last's lm_head are copies, grads summed
         self.tied = None
         if layout.embed_group is not None and getattr(model.cfg, "tie_word_embeddings", False):
             mine = model.embed_tokens if layout.is_first_stage else model.lm_head
@@ -542,8 +533,7 @@ class ShardedAdamW:
         self.tied_grad = next((v for p, v in zip(self.params, self.views) if p is self.tied), None)
         start = next((o for (_, o, _), p in zip(self.index, self.params) if self._kind(p)[2]), None)
         self.partial = (start, len(self.grad_buffer)) if start is not None and layout.tp_group is not None else None
-        # buckets with the tied copy or TP partial sums need that all-reduce, after the backward, before the DP one;
-        # the others go in the order the backward fills them
+        # buckets with the tied copy or TP partial sums wait for that all-reduce; the others go in backward order
         late = {i for p, i in zip(self.params, which) if p is self.tied or self.partial and self._kind(p)[2]}
         self.deferred, self.order = sorted(late), [i for i in reversed(range(len(self.buckets))) if i not in late]
         self.nccl = layout.dp_group is not None and dist.get_backend(layout.dp_group) == "nccl"
@@ -557,8 +547,7 @@ class ShardedAdamW:
                                       for p, v, i in zip(self.params, self.views, which) if p.requires_grad]
 
     def _kind(self, p) -> tuple[bool, float, bool]:
-        """(weight decay?, weight in the grad norm, TP-partial grad?). The norm weight is 1 for TP-sharded
-        parameters, 1/tp for replicated ones (every TP rank holds the same copy), 0 for the tied copy."""
+        """(weight decay?, weight in the grad norm (see clip_grad_norm; 0 for the tied copy), TP-partial grad?)."""
         weight = 0.0 if p is self.tied and not self.layout.is_first_stage else (
             1.0 if p.tp_dim is not None else 1.0 / self.layout.tp)
         return p.dim() >= 2, weight, bool(getattr(p, "tp_partial_grad", False))
@@ -566,13 +555,12 @@ class ShardedAdamW:
     def _segments(self) -> list[tuple[int, int, int, bool, float]]:
         """Runs (start, end, local start, decay, norm weight) of equal kind, cut to this rank's owned ranges:
         start and end address the grad buffer, the local start the master weights and moments."""
-        runs = []  # (start, end, decay, weight) of consecutive parameters of one kind
+        runs = []  # [start, end, decay, weight] of consecutive parameters of one kind
         for (_, off, _), p in zip(self.index, self.params):
-            kind = self._kind(p)[:2]
-            if runs and runs[-1][2:] == kind:  # extend the last run
-                runs[-1] = (runs[-1][0], off + p.numel(), *kind)
-            else:
-                runs.append((off, off + p.numel(), *kind))
+            kind = list(self._kind(p)[:2])
+            if not runs or runs[-1][2:] != kind:  # a new kind starts a new run
+                runs.append([off, off, *kind])
+            runs[-1][1] = off + p.numel()
         segments, local = [], 0
         for lo, hi in self.owned:
             segments += [(max(a, lo), min(b, hi), local + max(a, lo) - lo, d, w) for a, b, d, w in runs
@@ -651,9 +639,8 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> None:
-        """One AdamW step on this rank's parts (torch's fused kernel: one pass over weights, moments and
-        gradients, ~30 bytes a parameter, where a chain of foreach ops made ~8 passes), then publish the updated
-        weights to every replica. Two calls: the decayed runs, then the others."""
+        """One AdamW step on this rank's parts, then publish the weights to every replica. torch's fused kernel makes
+        one pass over weights, moments and gradients (~30 bytes a parameter) where a chain of foreach ops made ~8."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
         t = torch.full((), float(self.step_count), device=self.master.device)
@@ -728,16 +715,14 @@ class ShardedAdamW:
         return [getattr(self, name) for name in self.STATES]
 
     def full_state(self, name: str) -> dict[str, torch.Tensor]:
-        """One of STATES for every parameter of this rank, whole over DP and shaped like the parameter: the
-        layout-free form a checkpoint keeps. Views of the grad buffer (free between steps): copy them out
-        before the next zero_grad(), which clears them."""
+        """One of STATES per parameter of this rank, whole over DP and shaped like it: the layout-free form a checkpoint
+        keeps. Views of the grad buffer (free between steps): copy them out before the next zero_grad()."""
         self._wait()
         self._gather(getattr(self, name), self.grad_buffer)
         return {n: v for (n, _, _), v in zip(self.index, self.views)}
 
     def load_full_state(self, name: str, tensors) -> None:
-        """The inverse: (parameter name, whole tensor) pairs, every parameter once, in any order; keeps this
-        rank's parts of them."""
+        """The inverse: (parameter name, whole tensor) pairs, every parameter once, in any order."""
         self._wait()
         views, seen = {n: v for (n, _, _), v in zip(self.index, self.views)}, set()
         for n, t in tensors:

@@ -85,8 +85,7 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
 
 
 def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
-    """(generation Layout, micro-DP group, its ranks). Collective: every rank creates every group in the
-    same order. Training groups are reused where the ranks coincide."""
+    """(generation Layout, micro-DP group, its ranks). Collective: every rank creates every group in the same order."""
     world, rank = train.world_size, train.rank
     micro, gen = generation_groups(world, train.tp, train.pp, tp_g)
     if tp_g == train.tp and train.pp == 1:
@@ -143,12 +142,11 @@ class _Entry:
 
 
 def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_Entry]:
-    """What stage p contributes to the generation model (not a critic head, nor the last stage's copy
-    of a tied embedding), from a skeleton on the meta device."""
+    """What stage p contributes to the generation model (all but the last stage's copy of a tied embedding)."""
     skel = Transformer(cfg, Layout(tp=tp, pp=pp, pp_rank=p), device="meta")
     start, out = skel.layer_start, []
     for name, prm in skel.named_parameters():
-        if name.startswith("value_head.") or (name.startswith("lm_head.") and cfg.tie_word_embeddings):
+        if name.startswith("lm_head.") and cfg.tie_word_embeddings:
             continue
         gen = re.sub(r"^layers\.(\d+)", lambda layer: f"layers.{start + int(layer[1])}", name)  # stage-local -> global
         shape = torch.Size(s // n if d == prm.tp_dim else s for d, s in enumerate(prm.shape))
@@ -223,8 +221,7 @@ class Resharder:
         self._swap_rng(to_generation=True)
         try:
             self._gather()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            torch.get_device_module(self.device).synchronize(self.device)
             self.stats["enter_s"] = time.perf_counter() - t0
             yield self.gen_model
         finally:  # also after a failure inside the block: the training state comes back regardless
@@ -233,8 +230,7 @@ class Resharder:
             self._swap_rng(to_generation=False)
             for opt in self.optimizers:
                 opt.reload()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            torch.get_device_module(self.device).synchronize(self.device)
             self.stats["exit_s"] = time.perf_counter() - t1
             self.last_timing = self.stats.get("enter_s", 0.0) + self.stats["exit_s"]
 
@@ -292,8 +288,7 @@ class Resharder:
 
     @torch.no_grad()
     def _release(self) -> None:
-        """Rebuild each released training tensor from its slice of the generation weights, bucket by bucket,
-        dropping each bucket as soon as its tensors are back (m = 1 has one stage: its entries are all set)."""
+        """Bucket by bucket, rebuild the released training tensors and unset the generation weights (all were set)."""
         for b, released in enumerate(self._held):
             for p, e in released:
                 g = self.gen_model.get_parameter(e.gen).detach()

@@ -19,11 +19,10 @@ max_new_tokens) stay on the device: no host sync per token. At a check, finished
 waiting prompts, so a long tail does not idle the batch (a row done mid-window decodes a few tokens nobody reads). When
 nothing is waiting and few rows are live, they move to the front (k/v copied) so decode runs over fewer rows.
 
-A decode step runs rows 0..B-1, each attending to its own length. On CUDA each step (forward, sampling, bookkeeping)
-is captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling settings) over static buffers, after
-one eager step that also warms up cuBLAS and NCCL; the attention kernel splits each row's keys by the row's length at
-run time, so no graph depends on the lengths. On CPU steps are eager and attend over the first L positions, L
-covering every row until the next check.
+A decode step runs rows 0..B-1, each attending to its own length. On CUDA each step (forward, sampling, bookkeeping) is
+captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling settings) over static buffers, after one
+eager step that also warms up cuBLAS and NCCL; the attention kernel reads the lengths at run time, so no graph depends
+on them. On CPU steps are eager and attend over the first L positions, L covering every row until the next check.
 
 **Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1) draws, argmax_i
 (z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no running sum over the
@@ -33,10 +32,9 @@ seeds, so a draw depends on neither the row, the cache size, tp nor (with seeds)
 agree without talking. Each rank reduces its slice of the logits [B, V/tp] to (best z + g, its id, z there,
 logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner and gives the log-prob.
 
-* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of those
-  candidates lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (as transformers
-  does) and take the Gumbel-max among the survivors. With top-p alone the candidates are whole slices (for tp > 1 a
-  vocabulary gather): pair top_p with a top_k to bound it.
+* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of those candidates
+  lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (like transformers) and take the
+  Gumbel-max of the survivors. top-p alone takes whole slices (for tp > 1 a vocabulary gather): pair it with a top_k.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary: the distribution the
 trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled from (that mismatch is what
@@ -260,13 +258,11 @@ class Generator:
     from being drawn (their logits stay in the softmax). `free()` drops the cache and graphs, not the model."""
 
     def __init__(self, model: Transformer, max_rows: int = 256, max_len: int | None = None,
-                 kv_cache_tokens: int | None = None, gpu_memory_fraction: float = 0.5,
-                 use_cuda_graphs: bool = True, vocab_size: int | None = None, sync_every: int = 16,
-                 max_prefill_tokens: int = 16384):
+                 kv_cache_tokens: int | None = None, gpu_memory_fraction: float = 0.5, use_cuda_graphs: bool = True,
+                 vocab_size: int | None = None, sync_every: int = 16, max_prefill_tokens: int = 16384):
         cfg = model.cfg
         if model.layout.pp != 1 or model.embed_tokens is None or model.lm_head is None:
-            raise ValueError("Generator needs a whole model (pp=1 with embedding and LM head); "
-                             f"got pp={model.layout.pp}")
+            raise ValueError(f"Generator needs a whole model (pp=1, embedding and LM head); got pp={model.layout.pp}")
         for name, v in (("max_rows", max_rows), ("sync_every", sync_every), ("max_prefill_tokens", max_prefill_tokens),
                         ("max_len", 1 if max_len is None else max_len),
                         ("kv_cache_tokens", 1 if kv_cache_tokens is None else kv_cache_tokens)):
@@ -279,15 +275,13 @@ class Generator:
         if cfg.vocab_size >= 2 ** 24:
             raise ValueError(f"vocab_size={cfg.vocab_size}: token ids travel as fp32 between ranks, need < 2^24")
         self.model, self.group = model, model.layout.tp_group
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
         self.vocab_start = model.lm_head.start
         self.limit = (None if vocab_size in (None, cfg.vocab_size)  # allowed ids in this slice
                       else max(0, min(model.lm_head.weight.shape[0], vocab_size - self.vocab_start)))
         self.max_rows, self.fixed_len, self.kv_cache_tokens = max_rows, max_len, kv_cache_tokens
-        self.memory_fraction, self.sync_every = gpu_memory_fraction, sync_every
-        self.max_prefill_tokens = max_prefill_tokens
-        self.use_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.memory_fraction, self.max_prefill_tokens = gpu_memory_fraction, max_prefill_tokens
+        self.sync_every, self.use_graphs = sync_every, use_cuda_graphs and self.device.type == "cuda"
         self.cache, self.graphs = None, {}  # the cache is sized at the first generate() when max_len is None
         self.stats = dict(prefill_forwards=0, prefill_tokens=0, decode_steps=0, syncs=0, compactions=0,
                           graphs_captured=0)
@@ -319,11 +313,10 @@ class Generator:
         # the static state the decode graphs read and write
         self.tok, self.keys, self.ngen = (torch.zeros(rows, dtype=torch.long, **kw) for _ in range(3))
         self.lengths = torch.ones(rows, dtype=torch.int32, **kw)  # tokens in the row once `tok` is written
-        self.done = torch.ones(rows, dtype=torch.bool, **kw)
         self.out_tok = torch.zeros(rows, max_len + 1, dtype=torch.long, **kw)  # +1: a done row's scratch column
         self.out_lp = torch.zeros(rows, max_len + 1, dtype=torch.float32, **kw)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, **kw)
-        self.max_new = torch.ones(rows, dtype=torch.long, **kw)
+        self.done, self.max_new = torch.ones(rows, dtype=torch.bool, **kw), torch.ones(rows, dtype=torch.long, **kw)
         self.src, self.plen = torch.arange(rows, dtype=torch.int32, **kw), torch.zeros(rows, dtype=torch.int32, **kw)
         self.shared = None  # the host's copy of src[:B], plen[:B]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -401,9 +394,8 @@ class Generator:
 
     # --- the driver
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, eos_token_ids=(),
-                 progress: bool = False, max_new_tokens: list[int] | None = None,
-                 seeds: list[int] | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, eos_token_ids=(), progress: bool = False,
+                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None) -> list[Completion]:
         """Sample params.n completions of every prompt, prompt-major (prompt 0's samples 0..n-1, then prompt 1, ...).
         `max_new_tokens` optionally overrides params.max_new_tokens per prompt. Prompt p's draws are keyed by
         (params.seed, p), or with per-request `seeds` by seeds[p] alone, independent of the rest of the batch."""
