@@ -24,15 +24,6 @@ captured in a CUDA graph per bucket (B in 1, 2, 4, ..., rows; the sampling setti
 eager step that also warms up cuBLAS and NCCL; the attention kernel reads the lengths at run time, so no graph depends
 on them. On CPU steps are eager and attend over the first L positions, L covering every row until the next check.
 
-**Decode GEMMs by measurement.** A decode step reads every weight once for a few hundred tokens, and cuBLAS picks
-its kernel for such a skinny product by heuristics that can be 15% off each other: on H200, Qwen2-7B's down
-projection at 128 rows takes 44 us with the weight as loaded ([N, K], K-contiguous) and 37 us with it N-contiguous
-under cuBLASLt, while at 256 rows, or on the 1.5B model, the default is best. So before the first capture each
-projection kind is timed at the largest batch three ways (as loaded under the default library, under cuBLASLt,
-N-contiguous under cuBLASLt) and captured the fastest way if that wins by 2% (`_plan_gemms`); free() restores the
-weights bit for bit. A choice is made once per process and shape: two processes may choose differently where two
-ways are within the noise of that margin, and their generations then differ in bf16 rounding.
-
 **Sampling on the device, over a split vocabulary: Gumbel-max.** If g_i are independent Gumbel(0, 1) draws, argmax_i
 (z_i + g_i) falls on token i with probability exactly softmax(z)_i. So a sampler needs no running sum over the
 vocabulary, only a max, the same reduction as greedy decoding (which is g = 0). The noise is counter-based: g for
@@ -58,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from model import TRITON, AttnContext, KVCache, Transformer, load_model, read_json
 from parallel import all_gather_stack, fused
@@ -255,30 +245,6 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
     return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
 
 
-# ----------------------------------------------------------------------------- decode GEMM plans
-
-PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-_PLANS: dict = {}  # (projection, weight shape, dtype, rows) -> (N-contiguous?, BLAS library); one timing a process
-
-
-def _store(w: torch.Tensor, n_contiguous: bool) -> None:
-    """Rewrite weight w [N, K] in place, in its own storage: K-contiguous (as loaded) or N-contiguous. Its values,
-    and F.linear's result, stay the same; the kernel cuBLAS picks changes."""
-    N, K = w.shape
-    strides = (1, N) if n_contiguous else (K, 1)
-    if w.stride() != strides:
-        values = w.detach().clone()
-        w.data = w.data.as_strided((N, K), strides, w.storage_offset())
-        w.data.copy_(values)
-
-
-def _use_blas(library):
-    """A module hook that routes the GEMMs after it through BLAS `library` (it returns None: inputs, outputs stay)."""
-    def hook(*_):
-        torch.backends.cuda.preferred_blas_library(library)
-    return hook
-
-
 # ----------------------------------------------------------------------------- the generator
 
 
@@ -317,7 +283,6 @@ class Generator:
         self.memory_fraction, self.max_prefill_tokens = gpu_memory_fraction, max_prefill_tokens
         self.sync_every, self.use_graphs = sync_every, use_cuda_graphs and self.device.type == "cuda"
         self.cache, self.graphs = None, {}  # the cache is sized at the first generate() when max_len is None
-        self.planned = []  # (weights stored N-contiguous, hook handles) while graphs are live: free() undoes them
         self.stats = dict(prefill_forwards=0, prefill_tokens=0, decode_steps=0, syncs=0, compactions=0,
                           graphs_captured=0)
         if max_len is not None:
@@ -360,11 +325,6 @@ class Generator:
     def free(self) -> None:
         """Release the KV cache, the static buffers and the CUDA graphs (and their memory pool)."""
         self.graphs.clear()  # a CUDAGraph frees its memory when it is dropped
-        for w, handles in self.planned:
-            _store(w, False)
-            for h in handles:
-                h.remove()
-        self.planned = []
         for name in ("cache", "tok", "lengths", "keys", "ngen", "done", "max_new", "out_tok", "out_lp", "stop_ids",
                      "src", "plen", "pool"):
             setattr(self, name, None)  # no gc.collect(): nothing here is in a cycle, and it took 0.25 s per step
@@ -396,8 +356,6 @@ class Generator:
         key = (B, self.mode)  # L is the whole cache here
         if (graph := self.graphs.get(key)) is not None:
             return graph.replay()
-        if not self.graphs:
-            self._plan_gemms()
         # this bucket's first step: run it for real, on a side stream as capture wants, then capture it
         side = _side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -409,39 +367,6 @@ class Generator:
             self._decode_step(B, L)
         self.graphs[key] = graph
         self.stats["graphs_captured"] += 1
-
-    def _plan_gemms(self) -> None:
-        """Per projection kind (one weight per layer): the fastest of the three ways of the module docstring at the
-        largest batch, kept if it beats the default by 2%; weights stored so, their GEMMs captured through it."""
-        rows, blas = self.buckets[-1], torch.backends.cuda.preferred_blas_library
-        for name in PROJECTIONS if TRITON else ():
-            mods = [layer.get_submodule(name) for layer in self.model.layers]
-            w, default = mods[0].weight, blas()
-            key = (name, tuple(w.shape), w.dtype, rows)
-            if key not in _PLANS and all(m.weight.is_contiguous() for m in mods):  # each a dense block of its own
-                x, ms = torch.ones(rows, w.shape[1], dtype=w.dtype, device=self.device), {}
-
-                def gemms():
-                    for m in mods:
-                        F.linear(x, m.weight, m.bias)
-                for way in ((False, None), (False, "cublaslt"), (True, "cublaslt")):
-                    for m in mods:
-                        _store(m.weight, way[0])
-                    try:  # the library is read when a GEMM is captured
-                        blas(way[1] or default)
-                        ms[way] = triton.testing.do_bench_cudagraph(gemms)
-                    finally:
-                        blas(default)
-                best = min(ms, key=ms.get)
-                _PLANS[key] = best if ms[best] < 0.98 * ms[False, None] else (False, None)
-            n_contiguous, library = _PLANS.get(key, (False, None))
-            way = f"{'NK'[not n_contiguous]}-contiguous, {library or 'default'}"
-            self.stats.setdefault("gemm_plans", {})[name] = way
-            for m in mods:
-                _store(m.weight, n_contiguous)
-                handles = [] if library is None else [m.register_forward_pre_hook(_use_blas(library)),
-                                                      m.register_forward_hook(_use_blas(default))]
-                self.planned.append((m.weight, handles))
 
     def _prefill(self, chunk: list, prompts: list[list[int]], streams: list, max_new: list[int]) -> None:
         """Prefill chunk = [(prompt_index, sample_indices, rows)] in one packed forward; sample first tokens."""

@@ -8,7 +8,6 @@ import torch
 
 import helpers
 import parallel
-import rollout
 from model import load_model
 from rollout import Generator, SamplingParams
 
@@ -299,19 +298,6 @@ def test_tensor_parallel_generation(ckpt, model):
 
 # ----------------------------------------------------------------------------- GPU only
 
-def test_store_rewrites_a_weight_in_its_own_storage():
-    flat = torch.arange(2 + 6 * 4 + 3, dtype=torch.float32)
-    w = torch.nn.Parameter(flat[2:26].view(6, 4))  # a view into a larger buffer, as resharding makes them
-    before, x = w.detach().clone(), torch.randn(3, 4)
-    rollout._store(w, True)
-    assert w.stride() == (1, 6) and w.data_ptr() == flat[2:].data_ptr() and torch.equal(w.detach(), before)
-    assert torch.equal(flat[2:26], before.t().reshape(-1))  # N-contiguous in the same 24 elements
-    assert torch.equal(flat[:2], torch.arange(2.0)) and torch.equal(flat[26:], torch.arange(26.0, 29.0))
-    torch.testing.assert_close(torch.nn.functional.linear(x, w), x @ before.t())
-    rollout._store(w, False)
-    assert w.stride() == (4, 1) and torch.equal(flat, torch.arange(29.0))
-
-
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -436,29 +422,3 @@ def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit):
     want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit)
     got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, chunk=1024)
     assert torch.equal(got[:, 1], want[:, 1]) and (got - want).abs().max().item() < 1e-3
-
-
-@cuda
-def test_decode_gemm_plans_keep_the_outputs_and_free_restores_the_weights(ckpt, monkeypatch):
-    model = load_model(ckpt, dtype=torch.bfloat16, device="cuda").eval()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    blas = torch.backends.cuda.preferred_blas_library()
-    prompts = rand_prompts((5, 40, 17, 3), seed=12)
-    params = SamplingParams(temperature=0, max_new_tokens=24)
-    eager = Generator(model, max_rows=4, use_cuda_graphs=False).generate(prompts, params)
-    # every projection N-contiguous and through cuBLASLt, whatever the timing would choose
-    plans = {}
-    monkeypatch.setattr(rollout, "_PLANS", plans)
-    for name in rollout.PROJECTIONS:
-        w = model.layers[0].get_submodule(name).weight
-        plans[name, tuple(w.shape), w.dtype, 4] = (True, "cublaslt")
-    gen = Generator(model, max_rows=4)
-    out = gen.generate(prompts, params)
-    assert set(gen.stats["gemm_plans"].values()) == {"N-contiguous, cublaslt"}
-    assert model.layers[1].mlp.down_proj.weight.stride()[0] == 1
-    assert tokens(out) == tokens(eager)
-    assert max(abs(x - y) for a, b in zip(out, eager) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
-    gen.free()
-    for n, p in model.named_parameters():
-        assert p.is_contiguous() and torch.equal(p.detach(), weights[n]), n
-    assert torch.backends.cuda.preferred_blas_library() == blas  # every hook put the library back
