@@ -36,7 +36,9 @@ KL to a reference policy is estimated per token from the sampled token only (Sch
 x = logp - logp_ref, tokens drawn from the policy):
   k1 = x,  k2 = x^2 / 2,  k3 = exp(-x) + x - 1.
 k1 and k3 are unbiased for KL(pi || ref); k3 is never negative and has low variance. The KL is either subtracted
-from rewards with a fixed or adaptive coefficient (`apply_kl_penalty`) or added to the actor loss."""
+from rewards with a fixed or adaptive coefficient (`apply_kl_penalty`) or added to the actor loss. As a loss, what
+counts is the estimator's gradient at the sampled tokens: k1's is zero in expectation, k2's is the gradient of
+KL(pi || ref), and k3's that of KL(ref || pi), so use_kl_loss wants k2 or k3 (verl's default low_var_kl is k3)."""
 from __future__ import annotations
 
 import math
@@ -97,7 +99,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
     Masked positions are skipped: they neither contribute a TD error nor break the recurrence (V_{t+1} and A_{t+1}
     come from the next *valid* token; 0 past the end). Advantages are then whitened over the batch's valid tokens."""
     mask = response_mask.to(values.dtype)
-    rewards, values = token_level_rewards.to(values.dtype) * mask, values * mask
+    rewards, values = (torch.where(mask.bool(), x.to(values.dtype), 0.0) for x in (token_level_rewards, values))
     next_value = next_adv = torch.zeros_like(values[:, 0])
     adv = torch.zeros_like(values)
     for t in reversed(range(values.shape[1])):  # the recurrence is inherently sequential in time
@@ -379,9 +381,12 @@ def filter_groups(metric_values: torch.Tensor, index: torch.Tensor) -> torch.Ten
 def compute_overlong_penalty(response_length: torch.Tensor, max_response_length: int, overlong_buffer_len: int,
                              penalty_factor: float) -> torch.Tensor:
     """DAPO soft overlong punishment: min(0, -(len - (L_max - L_buf)) / L_buf * penalty_factor).
-    0 up to L_max - L_buf, then linear down to -penalty_factor at L_max."""
+    0 up to L_max - L_buf, then linear down to -penalty_factor at L_max, and -penalty_factor beyond."""
+    if not 0 < overlong_buffer_len <= max_response_length:
+        raise ValueError(f"overlong_buffer.len={overlong_buffer_len} must be in (0, max_response_length="
+                         f"{max_response_length}]")
     exceed = response_length.to(torch.float32) - (max_response_length - overlong_buffer_len)
-    return torch.clamp(-exceed / overlong_buffer_len * penalty_factor, max=0.0)
+    return torch.clamp(-exceed / overlong_buffer_len * penalty_factor, min=-penalty_factor, max=0.0)
 
 
 # --------------------------------------------------------------------------- rollout correction
@@ -411,4 +416,4 @@ def rollout_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch
     diff = diff if diff.numel() else torch.zeros(1, dtype=torch.float64)  # no valid token: report zeros
     return {"training/rollout_probs_diff_mean": float(diff.mean()),
             "training/rollout_probs_diff_max": float(diff.max()),
-            "training/rollout_probs_diff_std": float(diff.std(unbiased=False))}
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}

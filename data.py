@@ -134,8 +134,8 @@ class PromptDataset:
     """Tokenized prompts of verl-schema parquet files, memory-mapped from a shared Arrow cache.
 
     Items are dicts: `prompt_ids` (list[int]), `data_source`, `ground_truth` (str), `extra_info`
-    (dict), `index` (the item's position in this dataset), `prompt`, `reward_model` and any other
-    source columns. Overlong prompts are dropped (`filter_overlong`, counted in `num_filtered`) or
+    (dict), `index` (the item's position in this dataset), the prompt (under `prompt_key`),
+    `reward_model` and any other source columns. Overlong prompts are dropped (`filter_overlong`, counted in `num_filtered`) or
     else handled by `truncation`: "error", "left" (keep the end), "right", "middle"."""
 
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str = "error",
@@ -202,8 +202,9 @@ class PromptDataset:
                     self.cache_built = True
                     if self._try_open() is None:
                         raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
-            finally:
-                os.remove(lock)
+            finally:  # (a waiter that judged this lock stale may have removed it already)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)
         return table
 
     def _build(self, out_path: str) -> None:
@@ -229,6 +230,8 @@ class PromptDataset:
         except pa.ArrowException as e:
             raise ValueError("the data files have incompatible schemas: "
                              + "; ".join(f"{f}: {t.schema}" for f, t in zip(self.files, rests))) from e
+        if not prompts:
+            raise ValueError(f"the data files {self.files} hold no rows")
         if self.tokenizer.chat_template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template")
         texts = self.tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)

@@ -35,6 +35,7 @@ import inspect
 import json
 import math
 import os
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED = tuple(MODEL_TYPES.values())
 HF_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -116,6 +118,12 @@ class ModelConfig:
         theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         if (rtype := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "llama3"):
             raise ValueError(f"{source}: rope type {rtype!r} is not supported; supported: default, llama3")
+        if rtype == "llama3" and (missing := [k for k in LLAMA3_ROPE_KEYS if k not in rope]):
+            raise ValueError(f"{source}: llama3 rope scaling lacks {missing} (needs {list(LLAMA3_ROPE_KEYS)})")
+        # Llama, Mistral and Qwen3 put attention_bias on o_proj as well, and mlp_bias on the MLP: neither is built here
+        if c.get("mlp_bias") or (c.get("attention_bias") and arch != "Qwen2ForCausalLM"):
+            raise ValueError(f"{source}: {'mlp_bias' if c.get('mlp_bias') else 'attention_bias'}=true is not "
+                             f"supported for {arch} (only Qwen2's q/k/v biases are)")
         heads = c["num_attention_heads"]
         sw = c.get("sliding_window") if c.get("use_sliding_window", arch == "MistralForCausalLM") else None
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
@@ -207,6 +215,8 @@ except ImportError:
 try:
     from torch.nn.attention.varlen import varlen_attn as TORCH_VARLEN
     _VARLEN_PARAMS = inspect.signature(TORCH_VARLEN).parameters
+    if "window_size" not in _VARLEN_PARAMS:  # its first versions took other arguments: SDPA serves there
+        raise ImportError
 except ImportError:
     TORCH_VARLEN, _VARLEN_PARAMS = None, {}
 
@@ -245,8 +255,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, backend: str, window:
 
 
 class _FlashGQA(torch.autograd.Function):
-    """torch < 2.13's varlen_attn wants as many k/v heads as q heads, but the aten flash kernels under it take grouped
-    k/v in both passes: calling them directly skips repeating k/v (and summing its gradient), 2-3% of a 0.5B step."""
+    """A varlen_attn without `enable_gqa` (torch 2.11) wants as many k/v heads as q heads, but the aten flash kernels
+    under it take grouped k/v in both passes: calling them directly skips repeating k/v (and summing its gradient),
+    2-3% of a 0.5B step."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
@@ -526,8 +537,8 @@ class Transformer(nn.Module):
         return self(x, position_ids, AttnContext(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, in the compute dtype: every consumer (log-probs,
-        sampling) upcasts row by row inside its fused kernel, so no fp32 [T, V] copy is ever made."""
+        """This rank's vocabulary slice of the logits, in the compute dtype: on GPU every consumer (log-probs,
+        sampling) upcasts row by row inside its fused kernel, so no fp32 [T, V] copy is made (CPU runs them eagerly)."""
         # copy_to_tp: each rank's logits slice sees all of `hidden`, so its gradient is summed over TP
         return F.linear(copy_to_tp(hidden, self.layout.tp_group), self.lm_head.weight)
 
@@ -565,14 +576,16 @@ class Transformer(nn.Module):
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Layout-independent seeded weights: each full tensor has its own generator and is sliced like a checkpoint."""
         def draw(name, j, hf, shape):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, hf)) * 7919 + j)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(hf.encode()) * 7919 + j)
             return torch.randn(shape, generator=g) * std if len(shape) > 1 else torch.full(shape, float("norm" in hf))
         self._fill(self.named_parameters(), draw)
 
     def load_hf(self, path: str) -> None:
         """Read this rank's slices straight from the safetensors files (never the whole model)."""
         if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
-            where = {k: os.path.join(path, v) for k, v in read_json(index)["weight_map"].items()}
+            if not isinstance(weight_map := read_json(index).get("weight_map"), dict):
+                raise ValueError(f"{index}: no 'weight_map' (tensor name -> file)")
+            where = {k: os.path.join(path, v) for k, v in weight_map.items()}
         else:
             if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
                 raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights "

@@ -43,7 +43,7 @@ gradients s+1 -> s. Stage s first runs pp-s-1 forwards (warmup), then alternates
     stage 0:  F0 F1 F2 F3 B0 F4 B1 F5 B2 .. B5          (pp = 4, m = 6)
     stage 3:           F0 B0 F1 B1 F2 B2 .. B5
 
-so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/m of the step. The
+so a stage keeps at most pp - s micro-batches of activations alive, and the bubble is (pp-1)/(m+pp-1) of the step. The
 pipeline runs at the pace of its slowest stage, and the last also runs the LM head and the loss (2.3 layers' worth
 on Qwen2.5-7B), so it gets fewer layers (`stage_layers`). Each exchange posts its sends and receives together (one
 batch of P2P ops), which pairs the two sides' messages and cannot deadlock.
@@ -152,7 +152,9 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
             raise ValueError(f"{name}: {key}={n} is not divisible by tp={tp}; valid tp sizes for "
                              f"this model and {world_size} ranks: {valid}")
     if pp > cfg.num_layers:
-        raise ValueError(f"{name}: pp={pp} exceeds num_hidden_layers={cfg.num_layers}")
+        fits = [p for p in range(1, cfg.num_layers + 1) if world_size % (tp * p) == 0]
+        raise ValueError(f"{name}: pp={pp} exceeds num_hidden_layers={cfg.num_layers}; valid pp sizes for tp={tp} "
+                         f"and {world_size} ranks: {fits}")
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, head_cost: float = 0.0) -> tuple[int, int]:

@@ -31,7 +31,7 @@ stay). The gathered bucket is the generation weights: views into it when k = 1, 
 bucket). On exit each released tensor is rebuilt bit for bit from its slice of them. Extra bytes held (`stats`):
     tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
     tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
-    tp_g >  tp:           <= gen + padding (the training shard stays whole: it is more than gen)
+    tp_g >  tp:           <= gen + padding (the training shard stays whole: the generation shard holds only 1/n of it)
 Padding is where stages differ (the embedding of the first stage against the head of the last)."""
 from __future__ import annotations
 
@@ -224,12 +224,14 @@ class Resharder:
             torch.get_device_module(self.device).synchronize(self.device)
             self.stats["enter_s"] = time.perf_counter() - t0
             yield self.gen_model
-        finally:  # also after a failure inside the block: the training state comes back regardless
+        finally:  # also after a failure in the gather or the block: the training state comes back, then the error
             t1 = time.perf_counter()
-            self._release()
-            self._swap_rng(to_generation=False)
-            for opt in self.optimizers:
-                opt.reload()
+            try:
+                self._release()
+            finally:
+                self._swap_rng(to_generation=False)
+                for opt in self.optimizers:
+                    opt.reload()
             torch.get_device_module(self.device).synchronize(self.device)
             self.stats["exit_s"] = time.perf_counter() - t1
             self.last_timing = self.stats.get("enter_s", 0.0) + self.stats["exit_s"]
@@ -264,35 +266,44 @@ class Resharder:
             buf = torch.empty(m * chunk, dtype=self.dtype, device=self.device)
             self._account(buf.nbytes)
             slots = buf.view(m, chunk)
-            for e in mine:
-                p = self.model.get_parameter(e.train)
-                part = _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
-                slots[me, e.offset:e.offset + part.numel()].view(e.shape).copy_(part)
-                if n == 1:  # its slot holds this shard now: release the training copy until exit
-                    self._account(-p.nbytes)
-                    self.stats["released_bytes"] += p.nbytes
-                    p.data = p.data.new_empty(0)
-                    released.append((p, e))
-            _all_gather_flat(buf, slots[me], group=self.group)
-            for stage, runs in enumerate(self.buckets):
-                for e in runs[b]:
-                    blocks = [slots[stage * k + c, e.offset:e.offset + e.shape.numel()].view(e.shape) for c in range(k)]
-                    data = blocks[self.c_me]  # k == 1: a view into the bucket
-                    if k > 1:  # replicated: this rank's own copy, bitwise what it released
-                        data = _owned(data, buf) if e.tp_dim is None else _merge(blocks, e.tp_dim, e.local(lay.tp))
-                        self._account(data.nbytes)
-                    self._set(e.gen, data)
+            try:
+                for e in mine:
+                    p = self.model.get_parameter(e.train)
+                    slots[me, e.offset:e.offset + e.shape.numel()].view(e.shape).copy_(  # unnamed: freed by the release
+                        _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n))
+                    if n == 1:  # its slot holds this shard now: release the training copy until exit
+                        self._account(-p.nbytes)
+                        self.stats["released_bytes"] += p.nbytes
+                        p.data = p.data.new_empty(0)
+                        released.append((p, e))
+                _all_gather_flat(buf, slots[me], group=self.group)
+                for stage, runs in enumerate(self.buckets):
+                    for e in runs[b]:
+                        at = slice(e.offset, e.offset + e.shape.numel())
+                        blocks = [slots[stage * k + c, at].view(e.shape) for c in range(k)]
+                        data = blocks[self.c_me]  # k == 1: a view into the bucket
+                        if k > 1:  # replicated: this rank's own copy, bitwise what it released
+                            data = _owned(data, buf) if e.tp_dim is None else _merge(blocks, e.tp_dim, e.local(lay.tp))
+                            self._account(data.nbytes)
+                        self._set(e.gen, data)
+            except BaseException:  # this bucket's released shards are only in this rank's slot: put them back
+                for p, e in released:
+                    p.data = slots[me, e.offset:e.offset + e.shape.numel()].view(e.shape).clone()
+                released.clear()
+                raise
             if k > 1:  # the merged copies are the generation weights: the bucket goes now
                 self._account(-buf.nbytes)
             del buf, slots, blocks
 
     @torch.no_grad()
     def _release(self) -> None:
-        """Bucket by bucket, rebuild the released training tensors and unset the generation weights (all were set)."""
+        """Bucket by bucket, rebuild the released training tensors from the generation weights, then unset those
+        (a bucket whose gather failed has put its own back)."""
         for b, released in enumerate(self._held):
             for p, e in released:
                 g = self.gen_model.get_parameter(e.gen).detach()
                 p.data = _owned(_sub(g, e.tp_dim, e.local(self.gen_layout.tp), self.k, self.c_me), g)
+            g = None  # a view into bucket b: it must not keep it alive while b + 1 is rebuilt
             for runs in self.buckets:
                 for e in runs[b]:
                     self._set(e.gen, None)
@@ -355,6 +366,8 @@ class _Checkpoint:
         if not os.path.isfile(f := os.path.join(ckpt_dir, "meta.json")):
             raise FileNotFoundError(f"{ckpt_dir!r} is not a checkpoint directory (no meta.json)")
         self.meta = read_json(f)
+        if missing := [k for k in ("tp", "pp", "model_config") if k not in self.meta]:
+            raise ValueError(f"{f}: missing {missing}; a checkpoint's meta.json holds tp, pp and model_config")
         self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
         self.cfg = ModelConfig.from_hf(self.meta["model_config"], source=f)
         self.index = {}  # hf name -> (its stage's files, our name, tp_dim, its rows/columns in each shard)
@@ -419,18 +432,19 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
     written into a temporary directory that is renamed into place; one shard in memory at a time."""
     from safetensors.torch import save_file
     ck = _Checkpoint(ckpt_dir)
+    if any(hf.startswith("value_head.") for hf in ck.index):
+        raise ValueError(f"{ckpt_dir!r} is a critic (a value head, no LM head): only an actor exports as a causal LM")
     if os.path.exists(out_dir):
         raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
-    tmp, shards, cur, total = out_dir.rstrip("/") + ".tmp", [], {}, 0
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp, shards, cur, total = f"{out_dir.rstrip('/')}.tmp{os.getpid()}_{time.time_ns()}", [], {}, 0
+    os.makedirs(tmp)  # a new name: a directory already there (the user's) is never overwritten or removed
 
     def flush():
         save_file(cur, os.path.join(tmp, f"part{len(shards)}"), metadata={"format": "pt"})
         shards.append(list(cur))
         cur.clear()
     try:
-        for hf in [h for h in ck.index if not h.startswith("value_head.")]:  # a critic's head is no part of a causal LM
+        for hf in ck.index:
             t = ck.tensor(hf).to(dtype=dtype).contiguous()  # dtype None: as stored
             if cur and sum(v.nbytes for v in cur.values()) + t.nbytes > max_shard_bytes:
                 flush()
@@ -462,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: as stored")
     ap.add_argument("--max-shard-gb", type=float, default=4.0)
     a = ap.parse_args(argv)
+    if not a.max_shard_gb > 0:
+        ap.error(f"--max-shard-gb {a.max_shard_gb}: expected a shard size in GB > 0")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
     export_hf(a.checkpoint, a.to_hf, dtype, int(a.max_shard_gb * (1 << 30)))
     print(f"wrote {a.to_hf}")

@@ -9,12 +9,14 @@ per-sample numbers to log (e.g. "acc").
 The rules:
   openai/gsm8k   strict: the last "#### <number>" in the last 300 characters of the response; flexible: the last
                  number anywhere. Commas and "$" are dropped, then the strings are compared exactly, as verl does
-                 ("72.0" does not match "72"; the reference answers are all integers).
+                 ("72.0" does not match "72"; the reference answers are all integers). The extraction is a little
+                 more lenient than verl's: "#### $18" and a sentence-ending "#### 18." count.
   MATH           the last \\boxed{...} (or \\fbox{...}, braces balanced) is normalized (\\dfrac -> \\frac,
                  \\frac12 -> \\frac{1}{2}, units, \\left/\\right, ...) and compared with the normalized ground truth;
                  two plain numbers or simple fractions are compared exactly as rationals (0.5 == \\frac{1}{2}).
-  math_dapo      DAPO's rule: the text after the last "Answer:" in the last 300 characters, +1 if equivalent to the
-                 ground truth else -1, returned as {"score", "acc", "pred"}. Also used for "aime*" data sources.
+  math_dapo      DAPO's rule: in the last 300 characters, the last line holding "Answer:", from its first "Answer:"
+                 to the line's end; +1 if equivalent to the (unboxed) ground truth else -1, returned as
+                 {"score", "acc", "pred"}. Also used for "aime*" data sources.
   synthetic/*    toy tasks (data.py): the stripped response starts with the ground truth (for "add", no digit follows).
 
 `load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same signature, and `score_batch`
@@ -24,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import math
 import numbers
 import os
 import re
@@ -62,19 +65,24 @@ def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", fo
 
 
 def last_boxed_only_string(text: str) -> str | None:
-    """The last "\\boxed{...}" / "\\fbox{...}" with balanced braces (or "\\boxed x" up to "$"), or None."""
+    """The last "\\boxed{...}" / "\\fbox{...}" with balanced braces, as "\\boxed{...}" also when written
+    "\\boxed {...}"; or "\\boxed x" up to "$"; or None."""
     if (idx := max(text.rfind("\\boxed"), text.rfind("\\fbox"))) < 0:
         return None
-    if text.startswith("\\boxed ", idx):
-        return text[idx:].split("$")[0]
+    name = "\\boxed" if text.startswith("\\boxed", idx) else "\\fbox"
+    start = idx + len(name)
+    while text.startswith(" ", start):
+        start += 1
+    if not text.startswith("{", start):
+        return text[idx:].split("$")[0] if name == "\\boxed" and start > idx + len(name) else None
     depth = 0
-    for j in range(idx, len(text)):
+    for j in range(start, len(text)):
         if text[j] == "{":
             depth += 1
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[idx:j + 1]
+                return name + text[start:j + 1]
     return None  # unbalanced: the response was cut off inside the box
 
 
@@ -99,8 +107,8 @@ def strip_math_string(s: str) -> str:
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
         s = s.split("=")[1]
     s = s.replace(" ", "")
-    s = re.sub(r"\\sqrt(?=[^{])(\\?[0-9a-zA-Z])", r"\\sqrt{\1}", s)
-    s = re.sub(r"\\frac(?=[^{])(\\?[0-9a-zA-Z])", r"\\frac{\1}", s)  # \frac12 -> \frac{1}2
+    s = re.sub(r"\\sqrt(\\[a-zA-Z]+|[0-9a-zA-Z])", r"\\sqrt{\1}", s)  # \sqrt2, \sqrt\pi
+    s = re.sub(r"\\frac(\\[a-zA-Z]+|[0-9a-zA-Z])", r"\\frac{\1}", s)  # \frac12 -> \frac{1}2, \frac\pi2
     s = re.sub(r"(\\frac\{[^{}]*\})([0-9a-zA-Z])", r"\1{\2}", s)  # \frac{1}2 -> \frac{1}{2}
     s = re.sub(r"\^([0-9a-zA-Z])", r"^{\1}", s)  # LaTeX reads x^23 as x^{2}3
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators, not a tuple
@@ -144,12 +152,14 @@ def math_score(solution_str: str, ground_truth: str) -> float:
 
 
 def math_dapo_score(solution_str: str, ground_truth: str) -> dict:
-    """DAPO: pred = text after the last "Answer:" (case-insensitive) in the last 300 characters;
-    score +1.0 if it is equivalent to the ground truth, else -1.0 (also when no answer is given)."""
+    """DAPO: pred = the rest of the last line holding "Answer:" (case-insensitive, after its first one) in the last 300
+    characters; score +1.0 if it is equivalent to the ground truth (unboxed if boxed), else -1.0 (also when no answer
+    is given)."""
     found = re.findall(r"(?i)answer\s*:\s*([^\n]+)", solution_str[-_SOLUTION_CLIP_CHARS:])
     pred = found[-1].strip() if found else "[INVALID]"
     boxed = last_boxed_only_string(pred)
     pred = strip_math_string(remove_boxed(boxed) if boxed else pred)
+    ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)
     correct = bool(found) and is_equiv(pred, ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
@@ -198,6 +208,8 @@ def load_reward_fn(spec: str | None) -> Callable:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"reward function file not found: {path!r} (from {spec!r})")
     module_spec = importlib.util.spec_from_file_location(f"nanorl_user_reward_{abs(hash(path))}", path)
+    if module_spec is None:
+        raise ValueError(f"reward function file {path!r} (from {spec!r}) is not a Python source file (.py)")
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
@@ -220,7 +232,7 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
 
     A dict result gives its "score"; its other numeric keys (bools count) go to `extras`, one list per key aligned with
     the batch (None where a sample lacked the key). A scorer that raises is logged and scores 0.0. A result that is
-    neither a number nor a dict with "score" is a bug in the scorer and raises TypeError."""
+    neither a number nor a dict with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
     n = len(solution_strs)
     extra_infos = extra_infos if extra_infos is not None else [None] * n
     scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, the numeric extras of its dict result
@@ -237,7 +249,10 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
         if not (isinstance(result, dict) and isinstance(result.get("score"), numbers.Real)):
             raise TypeError(f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
                             "expected a number or a dict with a numeric 'score'")
-        scores.append(float(result["score"]))
+        if not math.isfinite(score := float(result["score"])):
+            raise ValueError(f"reward function returned score {score} for data_source {data_sources[i]!r}; "
+                             "expected a finite number")
+        scores.append(score)
         extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)})
     keys = dict.fromkeys(k for row in extra_rows for k in row)  # in order of first appearance
     return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, num_errors

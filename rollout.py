@@ -7,11 +7,12 @@ sequences take turns in (nothing is paged): its prompt's k/v, then one position 
     prefill   packed prompts of the newly admitted sequences, one forward  ->  k/v into their rows
     decode    one token for every row 0..B-1, one forward per step         ->  k/v at position len-1
 
-A prompt sampled n times is prefilled once, into the first of its rows; `KVCache.copy_rows` copies its k/v to the
-other n-1 rows, and each sample draws its first token from the shared last-position logits. While decoding, every
-row reads the prompt's positions from the lowest live row of its prompt (`src`, `plen`): the n programs that read
-one prompt run side by side, so n-1 of those reads come from L2, not HBM. In a GRPO step the prompt is a large part
-of the k/v a step reads. The copies are still made: when that row ends, the next live sample takes over.
+A prompt is prefilled once per admission, into the first of the rows its samples got: once for all n when n rows are
+free, else again for the samples admitted later. `KVCache.copy_rows` copies its k/v to the other rows, and each sample
+draws its first token from the shared last-position logits. While decoding, every row reads the prompt's positions
+from the lowest live row of its prompt (`src`, `plen`): the n programs that read one prompt run side by side, so n-1
+of those reads come from L2, not HBM. In a GRPO step the prompt is a large part of the k/v a step reads. The copies
+are still made: when that row ends, the next live sample takes over.
 
 **Continuous batching.** The host looks at the rows only every `sync_every` decode steps (one small copy of the per-row
 `done` flags and token counts); in between, the next tokens, row lengths, outputs and the stop test (a stop token, or
@@ -72,12 +73,16 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def check(self) -> None:
+        stops = self.stop_token_ids
         for k, want, ok in (
                 ("n", "an int >= 1", isinstance(self.n, int) and self.n >= 1),
                 ("temperature", ">= 0 (0 = greedy)", self.temperature >= 0),
                 ("top_p", "in (0, 1]", 0 < self.top_p <= 1),
                 ("top_k", "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
-                ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1)):
+                ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
+                ("stop_token_ids", "a list or tuple of ints (one id: (id,))",
+                 isinstance(stops, (list, tuple)) and all(isinstance(t, int) for t in stops)),
+                ("seed", "an int", isinstance(self.seed, int))):
             if not ok:
                 raise ValueError(f"SamplingParams.{k}={getattr(self, k)!r}: expected {want}")
 
@@ -421,13 +426,16 @@ class Generator:
                                  f"{len(p) + max_new[i]} cache positions but the Generator's max_len={self.fixed_len}")
         stops = sorted({int(t) for t in params.stop_token_ids} |
                        (set() if params.ignore_eos else {int(t) for t in _as_tuple(eos_token_ids)}))
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < V]:
+            raise ValueError(f"SamplingParams.stop_token_ids: id {bad[0]} is outside the model's vocabulary 0..{V - 1}")
         if len(stops) > MAX_STOP_IDS:
             raise ValueError(f"{len(stops)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
         need = max(len(p) + m for p, m in zip(prompts, max_new))
         if self.cache is None or (self.fixed_len is None and need > self.cache.max_len):
             if self.cache is not None:
                 self.free()
-            self._allocate(self.fixed_len or -(-need // 64) * 64)
+            room = -(-need // 64) * 64  # room to grow, but not past a sliding window that `need` fits in
+            self._allocate(self.fixed_len or max(need, min(room, self.model.cfg.sliding_window or room)))
         greedy = params.temperature == 0
         self.mode = (float(params.temperature), 0 if greedy else max(params.top_k, 0),
                      None if greedy or params.top_p == 1 else float(params.top_p))
@@ -554,6 +562,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     args = ap.parse_args(argv)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:  # before the Generator, whose row count comes from --n
+        params.check()
+    except ValueError as e:
+        ap.error(str(e).replace("SamplingParams.", "--").replace("_", "-"))
     from transformers import AutoTokenizer
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -567,8 +581,6 @@ def main(argv: list[str] | None = None) -> None:
     eos = {*_as_tuple(tok.eos_token_id), *_as_tuple(cfg_eos)}
     model = load_model(args.model_dir, dtype=dtype, device=device).eval()
     gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
     t0 = time.perf_counter()
     comps = gen.generate(prompts, params, eos_token_ids=eos, progress=args.max_new_tokens * args.n > 512)
     dt = time.perf_counter() - t0

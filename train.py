@@ -12,9 +12,9 @@ One step
 1. **Generate.** Reshard the actor from its training layout (tp x pp x dp) into its generation
    layout (tp_g, no pipeline, W/tp_g replicas); each replica samples `rollout.n` responses for its
    share of the prompts, with every token's log-prob; then the weights go back, the KV cache is freed.
-2. **Score.** Rule-based rewards (rewards.py), DAPO's overlong shaping and dynamic sampling: groups
-   whose n responses all score the same carry no signal for a group-relative advantage, so they are
-   dropped and more prompts drawn until the batch is full.
+2. **Score.** Rule-based rewards (rewards.py), DAPO's overlong shaping (the shaped score is
+   `seq_reward`) and dynamic sampling: groups whose n responses all score the same carry no signal for
+   a group-relative advantage, so they are dropped and more prompts drawn until the batch is full.
 3. **Recompute**, in packed micro-batches in the training layout: log-probs under the actor (pi_old;
    they differ slightly from the generator's, see training/rollout_probs_diff_*; with
    `algorithm.rollout_is.bypass_mode` the generator's stand in for them, one forward pass less) and
@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -150,8 +151,8 @@ class KLCtrlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False
-    metric: str = "score"               # score, or a key the scorer returns (e.g. acc)
-    max_num_gen_batches: int = 10
+    metric: str = "score"               # score, seq_reward (score + overlong penalty), or a scorer's key (acc)
+    max_num_gen_batches: int = 10       # 0: no limit
 
 
 @dataclass
@@ -235,6 +236,10 @@ class Config:
 
 
 SCHEDULES = ("constant", "cosine", "linear")
+LOGGERS = ("console", "jsonl", "tensorboard")
+POSITIVE = ("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
+            "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.max_tokens_per_micro_batch", "rollout.n",
+            "rollout.val_n", "rollout.max_rows")
 CHOICES = {"data.truncation": ("error", "left", "right", "middle"), "actor.dtype": ("auto", "bf16", "fp32"),
            "actor.loss_agg_mode": alg.LOSS_AGG_MODES, "critic.loss_agg_mode": alg.LOSS_AGG_MODES,
            "actor.policy_loss_mode": alg.POLICY_LOSS_MODES, "actor.kl_loss_type": alg.KL_PENALTIES,
@@ -297,6 +302,18 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
         if not val:
             raise ValueError(f"{path}: {key} is required")
+    for key in POSITIVE:
+        if (val := functools.reduce(getattr, key.split("."), cfg)) < 1:
+            raise ValueError(f"{path}: {key}={val} must be >= 1")
+    for key, o in (("actor.optim.betas", a.optim.betas), ("critic.optim.betas", cfg.critic.optim.betas)):
+        if len(o) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o):
+            raise ValueError(f"{path}: {key}={o} must be two numbers in [0, 1) (beta1, beta2)")
+    if bad := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
+        raise ValueError(f"{path}: trainer.logger has unknown sink(s) {bad}; valid: {list(LOGGERS)}")
+    ob = cfg.algorithm.overlong_buffer
+    if ob.enable and not 0 < ob.len <= d.max_response_length:
+        raise ValueError(f"{path}: algorithm.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
+                         f"{d.max_response_length}]")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{path}: data.train_batch_size={d.train_batch_size} must be a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
@@ -466,7 +483,7 @@ class Trainer:
             a.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.tokenizer = load_tokenizer(a.model_path)
         eos = self.mcfg.raw.get("eos_token_id")
-        self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None})
+        self.eos_ids = sorted(({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None})
         self.actor = self._role(a.model_path, a.optim)
         self.ref = self._role(a.model_path, None) if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
         self.critic = (self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
@@ -527,9 +544,9 @@ class Trainer:
     def rollout_batch(self) -> tuple[Batch, dict]:
         """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
         cfg, kept, num_prompts, metrics = self.cfg, [], 0, {}  # kept: what each generation batch kept
-        fg, n = cfg.algorithm.filter_groups, cfg.rollout.n
+        fg, ob, n = cfg.algorithm.filter_groups, cfg.algorithm.overlong_buffer, cfg.rollout.n
         while num_prompts < cfg.data.train_batch_size:
-            if len(kept) >= max(fg.max_num_gen_batches, 1) and fg.enable:
+            if fg.enable and 0 < fg.max_num_gen_batches <= len(kept):
                 raise RuntimeError(f"algorithm.filter_groups: only {num_prompts} of {cfg.data.train_batch_size} "
                                    f"prompts had varied {fg.metric!r} after {len(kept)} generation batches "
                                    "(algorithm.filter_groups.max_num_gen_batches); raise it or check the rewards")
@@ -539,17 +556,28 @@ class Trainer:
                                       seed=cfg.trainer.seed + 7919 * self.step + len(kept))
             scores, extras, errors = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
-            batch.tensors.update(score=scores, **{"extra/" + k: v for k, v in extras.items()})
+            shaped = scores
+            if ob.enable:
+                shaped = scores + alg.compute_overlong_penalty(batch.response_mask.sum(-1),
+                                                               cfg.data.max_response_length, ob.len, ob.penalty_factor)
+            batch.tensors.update(score=scores, seq_reward=shaped, **{"extra/" + k: v for k, v in extras.items()})
             if not fg.enable:
                 return batch, metrics
-            metric = scores if fg.metric == "score" else batch.tensors.get("extra/" + fg.metric)
+            batch.index = batch.index + self.sampler.num_items * len(kept)  # a prompt drawn again is a new group
+            metric = {"score": scores, "seq_reward": shaped}.get(fg.metric, batch.tensors.get("extra/" + fg.metric))
             if metric is None:
-                raise KeyError(f"algorithm.filter_groups.metric={fg.metric!r} is not returned by the reward "
-                               f"function (it returns: score, {', '.join(extras) or 'nothing else'})")
+                raise KeyError(f"algorithm.filter_groups.metric={fg.metric!r} is not returned by the reward function "
+                               f"(it returns: score, {', '.join(extras) or 'nothing else'}; or use seq_reward)")
+            if metric.isnan().any():
+                raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: the reward function returned it for "
+                                 f"only some samples ({int(metric.isnan().sum())} of {len(metric)} lack it)")
             keep = alg.filter_groups(metric, batch.index).nonzero().flatten().tolist()
             kept.append(batch.select(keep))
             num_prompts += len(keep) // n
         metrics["train/num_gen_batches"] = float(len(kept))
+        for b in kept:  # a scorer's extra key missing from a whole generation batch: NaN there
+            for k in dict.fromkeys(k for b in kept for k in b.tensors):
+                b.tensors.setdefault(k, torch.full((len(b),), float("nan")))
         batch = Batch.combine(kept, torch.cat, lambda lists: sum(lists, []))  # concatenate
         return batch.select(list(range(cfg.data.train_batch_size * n))), metrics
 
@@ -580,7 +608,7 @@ class Trainer:
         """`<name>.ppo_epochs` x mini-batches of optimizer steps of the actor or critic; loss_fn(model, hidden, mb,
         denom) -> (loss, metrics). Returns the loss metrics averaged over the steps, `<name>/grad_norm`, `<name>/lr`."""
         cfg, lay, role, rc = self.cfg, self.layout, getattr(self, name), getattr(self.cfg, name)
-        mini, per_step = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, []  # rows per mini-batch; metrics per step
+        mini, per_step, skipped = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, [], 0  # rows per mini-batch; metrics
         o = rc.optim
         lr = lr_at(self.step, cfg.trainer.total_steps, o.lr, o.lr_warmup_steps, o.lr_schedule, o.min_lr_ratio)
         for _ in range(rc.ppo_epochs if rc.ppo_epochs > 0 else cfg.actor.ppo_epochs):  # -1: the actor's
@@ -596,24 +624,30 @@ class Trainer:
                 role.optim.reduce_gradients()
                 gnorm = role.optim.clip_grad_norm(o.grad_clip)
                 if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
-                    raise FloatingPointError(f"non-finite grad norm {gnorm} at step {self.step}")
+                    self.nonfinite_skips += 1
+                    if self.nonfinite_skips > cfg.trainer.max_nonfinite_skips:
+                        raise FloatingPointError(f"non-finite {name} grad norm {gnorm} at step {self.step + 1}, "
+                                                 f"over trainer.max_nonfinite_skips={cfg.trainer.max_nonfinite_skips}")
+                    print(f"[nanorl] step {self.step + 1}: non-finite {name} grad norm, optimizer step skipped",
+                          file=sys.stderr, flush=True)
+                    role.optim.zero_grad()
+                    skipped += 1
+                    continue
                 role.optim.step(lr)
                 # summed over micro-batches, then over the world as objects: ranks off the last stage
                 # (which contribute nothing) do not know the metric names
                 mine = sum_dicts(outs if lay.is_last_stage and lay.tp_rank == 0 else [])
                 per_step.append({**sum_dicts(all_gather_objects(mine)), f"{name}/grad_norm": gnorm})
-        return {**{k: v / len(per_step) for k, v in sum_dicts(per_step).items()}, f"{name}/lr": lr}
+        return {**{k: v / len(per_step) for k, v in sum_dicts(per_step).items()}, f"{name}/lr": lr,
+                **({f"{name}/nonfinite_skipped": float(skipped)} if skipped else {})}
 
     # --- one step
     def train_step(self) -> dict:
         cfg, al, t_start = self.cfg, self.cfg.algorithm, time.perf_counter()
         batch, metrics = self.rollout_batch()
         metrics["timing_s/reshard"] = self.resharder.last_timing
-        T, mask, ob = batch.tensors, batch.response_mask, al.overlong_buffer
-        resp_len, scores = mask.sum(-1), T["score"]
-        if ob.enable:
-            scores = scores + alg.compute_overlong_penalty(resp_len, cfg.data.max_response_length, ob.len,
-                                                           ob.penalty_factor)
+        T, mask = batch.tensors, batch.response_mask
+        resp_len, scores = mask.sum(-1), T["seq_reward"]
         rewards = torch.zeros_like(mask)  # the outcome reward sits on the last response token
         rewards[torch.arange(len(batch)), (resp_len.long() - 1).clamp(min=0)] = scores * (resp_len > 0)
         if al.rollout_is.bypass_mode:  # pi_old is the generator's: no forward pass, and no mismatch to measure
@@ -725,8 +759,7 @@ class Trainer:
             os.replace(tmp, final)
             write_text(os.path.join(root, "latest"), str(self.step))
             keep = self.cfg.trainer.keep_last_k
-            steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
-            for s in steps[:-keep] if keep > 0 else []:
+            for s in _saved_steps(root)[:-keep] if keep > 0 else []:
                 shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
         barrier()
 
@@ -735,16 +768,26 @@ class Trainer:
         return [(self.actor, root)] + ([(self.critic, os.path.join(root, "critic"))] if self.critic is not None else [])
 
     def maybe_resume(self) -> None:
-        """trainer.resume: never | auto (checkpoints/latest, if any) | PATH of a step_N directory."""
+        """trainer.resume: never | auto (checkpoints/latest, if any) | PATH of a step_N directory. A run only ever
+        writes checkpoints past those in its output_dir, so `latest` and keep_last_k never lose the newest one."""
         r, root, lay = self.cfg.trainer.resume, os.path.join(self.out, "checkpoints"), self.layout
-        latest = os.path.join(root, "latest")
+        latest, saved = os.path.join(root, "latest"), _saved_steps(root)
         if r == "never" or (r == "auto" and not os.path.isfile(latest)):
+            if saved and r == "never":  # (auto without `latest`: a first save that crashed before publishing)
+                raise ValueError(f"trainer.output_dir {self.out!r} holds checkpoints of another run (steps {saved}); "
+                                 f"resume it with trainer.resume=auto, or use a new output_dir")
             return
         path = os.path.join(root, f"step_{pathlib.Path(latest).read_text().strip()}") if r == "auto" else r
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
         meta = read_json(os.path.join(path, "meta.json"))
+        if r != "auto" and (later := [s for s in saved if s > meta["step"]]):  # auto: an unpublished one, redone
+            raise ValueError(f"trainer.resume: {path!r} is step {meta['step']}, but {root!r} already holds later "
+                             f"steps {later}, which this run would overwrite; resume into a new output_dir")
         for role, d in self._role_dirs(path):
+            if not os.path.isfile(os.path.join(d, "meta.json")):  # only a critic's can be missing
+                raise ValueError(f"trainer.resume: {path!r} holds no critic (saved by a run without one); PPO "
+                                 "(algorithm.adv_estimator=gae) cannot resume from it")
             load_into(role.model, d)
             for name in ShardedAdamW.STATES:
                 role.optim.load_full_state(name, read_shard(role.model, d, name))
@@ -774,21 +817,14 @@ class Trainer:
             write_text(os.path.join(self.out, "config.yaml"),
                        yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
         self.maybe_resume()
-        logger, stop = Logger(self.cfg, self.rank), {"sigterm": False}
+        logger, stop = Logger(self.cfg, self.rank, fresh=self.step == 0), {"sigterm": False}
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
         try:
             if self.val_data is not None and tc.val_before_train and self.step == 0:
                 logger.log(self.step, self.validate())
             bar = tqdm(total=tc.total_steps, initial=self.step, disable=self.rank > 0, desc="steps", dynamic_ncols=True)
             while self.step < tc.total_steps:
-                try:
-                    metrics = self.train_step()
-                except FloatingPointError as e:
-                    self.nonfinite_skips += 1
-                    if self.nonfinite_skips > tc.max_nonfinite_skips:
-                        raise
-                    print(f"[nanorl] step {self.step + 1} skipped: {e}", file=sys.stderr, flush=True)
-                    metrics = {"train/nonfinite_skipped": 1.0}
+                metrics = self.train_step()
                 self.step += 1
                 last = self.step == tc.total_steps
                 if self.val_data is not None and tc.test_freq > 0 and (self.step % tc.test_freq == 0 or last):
@@ -808,15 +844,22 @@ class Trainer:
             logger.close()
 
 
+def _saved_steps(root: str) -> list[int]:
+    """The steps of the complete checkpoints in `root`, ascending."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
+
+
 class Logger:
     """Console line, metrics.jsonl and (when installed) TensorBoard, on rank 0."""
     CONSOLE = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "actor/entropy": "entropy",
                "actor/ppo_kl": "ppo_kl", "response_length/mean": "response_length", "timing_s/step": "step"}
 
-    def __init__(self, cfg: Config, rank: int):
+    def __init__(self, cfg: Config, rank: int, fresh: bool):
         out, kinds = cfg.trainer.output_dir, cfg.trainer.logger if rank == 0 else []
         self.console = "console" in kinds
-        self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a") if "jsonl" in kinds else None
+        # a resumed run appends (the steps it redoes appear twice); a fresh one starts the file anew
+        self.jsonl = open(os.path.join(out, "metrics.jsonl"), "w" if fresh else "a") if "jsonl" in kinds else None
         self.tb = None
         if "tensorboard" in kinds:
             from torch.utils.tensorboard import SummaryWriter

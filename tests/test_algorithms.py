@@ -90,6 +90,10 @@ def test_gae_hand():
     raw = torch.tensor([[0.11425, 0.165, 0.3]])
     assert approx(ret, raw + v)
     assert approx(adv, ref_whiten(raw, m))
+    # padding may hold NaN values (a critic's output there): skipped, not propagated
+    pad = torch.cat([v, torch.tensor([[float("nan")]])], 1), torch.cat([m, torch.zeros(1, 1)], 1)
+    adv2, ret2 = A.compute_gae_advantage_return(torch.cat([r, torch.zeros(1, 1)], 1), *pad, 0.9, 0.5)
+    assert approx(adv2[:, :3], adv) and approx(ret2[:, :3], ret) and adv2[0, 3] == ret2[0, 3] == 0
 
 
 def ref_gae(r, v, m, gamma, lam):
@@ -540,6 +544,9 @@ def test_overlong_penalty():
     # max 20, buffer 5: free up to 15, then -(len - 15) / 5 * 1.0
     assert approx(A.compute_overlong_penalty(lengths, 20, 5, 1.0), [0.0, 0.0, -0.2, -0.6, -1.0], 1e-6)
     assert approx(A.compute_overlong_penalty(lengths, 20, 5, 0.5), [0.0, 0.0, -0.1, -0.3, -0.5], 1e-6)
+    assert approx(A.compute_overlong_penalty(torch.tensor([25]), 20, 5, 1.0), [-1.0], 1e-6)  # DAPO: -1 past L_max
+    with pytest.raises(ValueError, match="overlong_buffer.len=0 must be in"):
+        A.compute_overlong_penalty(lengths, 20, 0, 1.0)
 
 
 def test_rollout_is_weights_and_metrics():
@@ -559,3 +566,4 @@ def test_rollout_is_weights_and_metrics():
     # |0.5 - 0.45| = 0.05, |0.4 - 0.1| = 0.3 (third token is padding)
     assert math.isclose(metrics["training/rollout_probs_diff_mean"], 0.175)
     assert math.isclose(metrics["training/rollout_probs_diff_max"], 0.3)
+    assert math.isclose(metrics["training/rollout_probs_diff_std"], 0.125 * math.sqrt(2))  # unbiased, as verl

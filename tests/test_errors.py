@@ -38,6 +38,7 @@ from model import ModelConfig, load_model
 from parallel import Layout, validate_layout
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny.yaml")
+README = os.path.join(os.path.dirname(CONFIG), "..", "README.md")
 N_TRAIN = 64
 
 # ----------------------------------------------------------------------------- shared inputs (built once)
@@ -171,6 +172,12 @@ def _parquet(tmp, name: str, rows: list[dict]) -> str:
     return p
 
 
+def _empty_parquet(env, tmp) -> str:  # the synthetic task's columns, no rows
+    p = os.path.join(tmp, "empty.parquet")
+    pq.write_table(pq.read_table(f"{env.synth}/train.parquet").slice(0, 0), p)
+    return p
+
+
 def _cache_leftovers(env, tmp):
     return glob.glob(os.path.join(tmp, "cache", "*"))
 
@@ -206,6 +213,16 @@ def _train_main(env, tmp, *extra):
                 "trainer.total_steps=1", *extra])
 
 
+def _fresh_over_checkpoints(env, tmp):
+    _train_main(env, tmp, "trainer.save_freq=1", "trainer.test_freq=-1")
+    _train_main(env, tmp, "trainer.resume=never")
+
+
+def _gae_over_grpo(env, tmp):
+    _train_main(env, tmp, "trainer.save_freq=1", "trainer.test_freq=-1")
+    _train_main(env, tmp, "trainer.resume=auto", "algorithm.adv_estimator=gae", "trainer.total_steps=2")
+
+
 def _run_leftovers(env, tmp):
     return [p for p in (os.path.join(tmp, "run", "metrics.jsonl"), os.path.join(tmp, "run", "checkpoints"))
             if os.path.exists(p)]
@@ -216,7 +233,7 @@ def _export(ck_attr: str):
 
 
 def _export_leftovers(env, tmp):
-    return [p for p in (os.path.join(tmp, "out"), os.path.join(tmp, "out.tmp")) if os.path.exists(p)]
+    return [p for p in [os.path.join(tmp, "out")] + glob.glob(os.path.join(tmp, "out.tmp*")) if os.path.exists(p)]
 
 
 def _ck_with_meta(env, tmp, meta_text: str):
@@ -245,7 +262,7 @@ def _export_existing(env, tmp):
 def _existing_untouched(env, tmp):
     out = os.path.join(tmp, "out")
     bad = [] if os.listdir(out) == ["keep.txt"] else [out]
-    return bad + [p for p in (out + ".tmp",) if os.path.exists(p)]
+    return bad + glob.glob(out + ".tmp*")
 
 
 # ----------------------------------------------------------------------------- the table
@@ -283,6 +300,15 @@ CASES = [
     Case("config-bypass-with-is", "algorithm.rollout_is.bypass_mode=true with .enable=true",
          _cfg("algorithm.rollout_is.bypass_mode=true", "algorithm.rollout_is.enable=true"), ValueError,
          r"tiny\.yaml: algorithm\.rollout_is\.enable and \.bypass_mode exclude each other \(pi_old=pi_rollout\)"),
+    Case("config-not-positive", "actor.ppo_epochs=0", _cfg("actor.ppo_epochs=0"), ValueError,
+         r"tiny\.yaml: actor\.ppo_epochs=0 must be >= 1"),
+    Case("config-bad-betas", "actor.optim.betas=[0.9]", _cfg("actor.optim.betas=[0.9]"), ValueError,
+         r"tiny\.yaml: actor\.optim\.betas=\[0\.9\] must be two numbers in \[0, 1\)"),
+    Case("config-unknown-logger", "trainer.logger=[jsonl_]", _cfg("trainer.logger=[jsonl_]"), ValueError,
+         r"tiny\.yaml: trainer\.logger has unknown sink\(s\) \['jsonl_'\]; valid: \['console', 'jsonl'"),
+    Case("config-overlong-no-buffer", "algorithm.overlong_buffer.enable=true (len 0)",
+         _cfg("algorithm.overlong_buffer.enable=true"), ValueError,
+         r"tiny\.yaml: algorithm\.overlong_buffer\.len=0 must be in \(0, data\.max_response_length=4\]"),
     Case("config-missing-model-path", "YAML without actor.model_path", _config_without_model_path, ValueError,
          r"no_model\.yaml: actor\.model_path is required"),
     Case("config-missing-file", "load_config('nope.yaml')",
@@ -315,7 +341,7 @@ CASES = [
          r"\[1, 2\]"),
     Case("layout-pp-exceeds-layers", "pp=4 (2 layers) on 4 ranks",
          lambda env, tmp: validate_layout(_mcfg(env), 1, 4, 4, name="actor"), ValueError,
-         r"actor: pp=4 exceeds num_hidden_layers=2"),
+         r"actor: pp=4 exceeds num_hidden_layers=2; valid pp sizes for tp=1 and 4 ranks: \[1, 2\]"),
 
     # --- model directory: model.ModelConfig.from_dir / model.load_model
     Case("model-missing-dir", "from_dir('nope/')",
@@ -338,6 +364,15 @@ CASES = [
     Case("model-config-missing-key", "config.json without hidden_size",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(env, hidden_size=None))), ValueError,
          r"config\.json: missing required key.*'hidden_size'"),
+    Case("model-unsupported-bias", "Llama config.json with attention_bias: true (o_proj bias)",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True))), ValueError,
+         r"config\.json: attention_bias=true is not supported for LlamaForCausalLM"),
+    Case("model-llama3-rope-keys", "rope_scaling {rope_type: llama3, factor: 8} only",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, rope_scaling={"rope_type": "llama3", "factor": 8.0}))), ValueError,
+         r"config\.json: llama3 rope scaling lacks \['low_freq_factor', 'high_freq_factor', "
+         r"'original_max_position_embeddings'\]"),
     Case("model-no-weights", "load_model(dir without *.safetensors), random_init=False",
          lambda env, tmp: load_model(env.model_dir), FileNotFoundError,
          r"model directory '.*model' has no \*\.safetensors weights"),
@@ -389,6 +424,9 @@ CASES = [
     Case("data-cache-disk-full", "disk full while writing the prompt cache",
          _disk_full("pyarrow.ipc.new_file", lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"])),
          OSError, r"No space left on device", _cache_leftovers),
+    Case("data-empty-file", "a parquet file with no rows",
+         lambda env, tmp: _dataset(env, tmp, [_empty_parquet(env, tmp)]), ValueError,
+         r"the data files \[.*empty\.parquet'\] hold no rows", _cache_leftovers),
     Case("gsm8k-bad-json-line", "GSM8K train.jsonl line 2 is not JSON",
          lambda env, tmp: _gsm8k(tmp, [GSM_OK, "{not json"], [GSM_OK]), ValueError,
          r"train\.jsonl: line 2: not valid JSON", _gsm8k_leftovers),
@@ -413,6 +451,12 @@ CASES = [
          lambda env, tmp: rewards.load_reward_fn(_reward_file(
              tmp, "import nanorl_no_such_module\n" + GOOD_SCORER, "broken.py") + ":compute"), ImportError,
          r"reward function file '.*broken\.py' failed to import: .*No module named 'nanorl_no_such_module'"),
+    Case("reward-not-python", "reward.fn=rew.txt:compute",
+         lambda env, tmp: rewards.load_reward_fn(_reward_file(tmp, GOOD_SCORER, "rew.txt") + ":compute"), ValueError,
+         r"reward function file '.*rew\.txt' \(from .*\) is not a Python source file"),
+    Case("reward-returns-nan", "scorer returning NaN",
+         lambda env, tmp: rewards.score_batch(lambda **kw: float("nan"), ["synthetic/copy"], ["1"], ["1"], None),
+         ValueError, r"reward function returned score nan for data_source 'synthetic/copy'; expected a finite"),
     Case("reward-returns-none", "scorer returning None",
          lambda env, tmp: rewards.score_batch(lambda **kw: None, ["synthetic/copy"], ["1"], ["1"], None), TypeError,
          r"reward function returned NoneType for data_source 'synthetic/copy'; expected a number or a dict "
@@ -425,6 +469,12 @@ CASES = [
     Case("resume-different-model", "trainer.resume=<checkpoint with intermediate_size 256>",
          lambda env, tmp: _train_main(env, tmp, f"trainer.resume={env.ck_other}"), ValueError,
          r"checkpoint '.*ck_other' is a different model: intermediate_size=256 \(model has 128\)", _run_leftovers),
+    Case("resume-never-over-checkpoints", "trainer.resume=never in an output_dir holding checkpoints",
+         _fresh_over_checkpoints, ValueError,
+         r"trainer\.output_dir '.*run' holds checkpoints of another run \(steps \[1\]\); resume it with "
+         r"trainer\.resume=auto"),
+    Case("resume-gae-from-grpo", "PPO (adv_estimator=gae) resuming a GRPO checkpoint (no critic)",
+         _gae_over_grpo, ValueError, r"trainer\.resume: '.*step_1' holds no critic"),
     Case("load-into-truncated-shard", "load_into(model, ckpt with model_pp0_tp0.safetensors cut in half)",
          lambda env, tmp: reshard.load_into(load_model(env.model_dir, random_init=True), env.ck_trunc), ValueError,
          r"model_pp0_tp0\.safetensors: .*(truncated|corrupt)"),
@@ -447,7 +497,7 @@ CASES = [
 
 
 def test_table_is_complete():
-    assert len(CASES) >= 20
+    assert len(CASES) == int(re.search(r"table of (\d+)\s+cases", open(README).read()).group(1))  # README counts
     assert len({c.id for c in CASES}) == len(CASES)
 
 

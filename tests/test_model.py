@@ -118,6 +118,11 @@ def test_random_init_is_seeded(tmp_path):
         assert torch.equal(p, q)
         if p.dim() > 1:
             assert not torch.equal(p, r), n
+    # every matrix its own draw: 22 layers, where names like layers.12 and layers.21 are anagrams
+    deep = load_model(helpers.make_checkpoint(str(tmp_path / "deep"), "qwen2", with_tokenizer=False,
+                                              num_hidden_layers=22), random_init=True)
+    firsts = {n: p.flatten()[:8].tolist() for n, p in deep.named_parameters() if p.dim() > 1}
+    assert len({tuple(v) for v in firsts.values()}) == len(firsts)
 
 
 def test_errors_name_the_problem(tmp_path):
@@ -150,7 +155,7 @@ def test_num_params_matches_transformers(ckpt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("hkv", [8, 2])  # MHA and GQA (the GQA path of torch < 2.13 calls the aten kernels itself)
+@pytest.mark.parametrize("hkv", [8, 2])  # MHA and GQA (without varlen_attn's enable_gqa, _FlashGQA calls aten itself)
 def test_cuda_attention_backends_match_sdpa_forward_and_backward(hkv):
     lens, H, d = [37, 128, 5, 90], 8, 64
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()

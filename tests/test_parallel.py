@@ -242,13 +242,11 @@ def check_train_case(results, ref, tp, pp, tied):
         for r in results:  # the clipped norm is global: every rank returns the same number
             assert abs(r["norms"][s] - ref["norms"][s]) <= 1e-5 * ref["norms"][s], (s, r["norms"][s])
     assert min(ref["norms"]) > MAX_NORM  # clipping was active
-    # forward-only log-probs on the last stage, broadcast to the whole PP group
+    # forward-only log-probs, on the last stage (tp rank 0)
     for r in reports:
         mine = [lp for i, lp in enumerate(ref["logp"]) if i % dp == r["coords"][0]]
         assert rel_err(torch.cat(r["logp"]), torch.cat(mine)) <= 1e-5
     by_coord = {r["coords"]: r for r in results}
-    for r in results:
-        d, _, t = r["coords"]
     for r in results:
         d, p, t = r["coords"]
         # ZeRO-1: 1/dp of the master weights and moments per rank (up to the padding of each bucket)

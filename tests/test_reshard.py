@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import helpers
 import reshard
@@ -60,8 +61,10 @@ def test_groups_satisfy_the_rule(world):
                     if tp_g <= tp:
                         assert len(g) == tp * pp // tp_g and union == gen_of[g[0]]
                         assert all(train_of[r] <= gen_of[r] for r in g)  # the training shard is part of it
-                    else:
-                        assert union >= gen_of[g[0]]
+                    else:  # tp = 1: a replica's stages, each rank keeping slice d % tp_g of its replica d
+                        d = g[0] // pp
+                        assert g == list(range(d * pp, (d + 1) * pp)) and gen_of[d * pp] == {(s, d % tp_g)
+                                                                                           for s in range(pp)}
 
 
 def test_groups_errors():
@@ -370,9 +373,51 @@ def _check_export(res, work):
     bf = os.path.join(work, "exported_bf16")
     reshard.main([ck, "--to-hf", bf, "--dtype", "bf16"])
     assert json.load(open(os.path.join(bf, "config.json")))["torch_dtype"] == "bfloat16"
-    assert math.isclose(sum(os.path.getsize(os.path.join(bf, f)) for f in os.listdir(bf) if f.endswith(".safetensors")),
-                        sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors")) / 2,
-                        rel_tol=0.05)
+
+    def weight_bytes(d):
+        return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+    assert math.isclose(weight_bytes(bf), weight_bytes(out) / 2, rel_tol=0.05)
+
+
+def _failure_body(rank, world, ckpt):
+    lay = make_layout(2, 1)
+    model, opt = load_model(ckpt, lay), CountingOptimizer()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    storages = {n: StorageWeakRef(p.untyped_storage()) for n, p in model.named_parameters()}
+    r = Resharder(model, lay, 1, offload_optimizers=[opt], bucket_bytes=48 << 10)
+    gather, merge, buckets, alive = reshard._all_gather_flat, reshard._merge, [], []
+
+    def spying_gather(*a, **kw):  # no released training tensor is still alive when its bucket arrives
+        buckets.append(len(buckets))
+        alive.extend(n for n, p in model.named_parameters() if p.numel() == 0 and not storages[n].expired())
+        return gather(*a, **kw)
+
+    def merge_failing_in_bucket_1(*a):  # bucket 0 done (rebuilt from the generation weights), bucket 1 half merged
+        if len(buckets) == 2 and fail:
+            raise torch.OutOfMemoryError("simulated OOM in the merge")
+        return merge(*a)
+    reshard._all_gather_flat, reshard._merge, fail = spying_gather, merge_failing_in_bucket_1, False
+    with r.generation() as gm:
+        gen_weights = {n: p.clone() for n, p in gm.named_parameters()}
+    assert not alive and len(buckets) > 2
+    torch.manual_seed(3)
+    train_rng, buckets[:], fail = torch.get_rng_state(), [], True
+    with pytest.raises(torch.OutOfMemoryError, match="simulated OOM"):  # the original error, not one of the cleanup
+        with r.generation():
+            pass
+    fail = False
+    with pytest.raises(KeyError, match="in the block"):
+        with r.generation():
+            raise KeyError("in the block")
+    for n, p in model.named_parameters():  # the training state after each failure, bit for bit
+        assert p.shape == before[n].shape and torch.equal(p, before[n]), n
+    assert torch.equal(torch.get_rng_state(), train_rng) and opt.calls == ["offload", "reload"] * 3
+    with r.generation() as gm:  # and the resharder still works
+        assert all(torch.equal(p, gen_weights[n]) for n, p in gm.named_parameters())
+
+
+def test_failure_restores_the_training_state_and_raises_the_original_error(tmp_path):
+    helpers.run_distributed(_failure_body, 2, helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False))
 
 
 def test_load_into_errors(tmp_path):
@@ -392,3 +437,29 @@ def test_load_into_errors(tmp_path):
     json.dump({"step": 0, "tp": 2, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck / "meta.json", "w"))
     with pytest.raises(FileNotFoundError, match="lacks .*model_pp0_tp1.safetensors"):
         load_full_state(str(ck))
+    json.dump({"step": 0, "pp": 1, "model_config": m.cfg.raw}, open(ck / "meta.json", "w"))
+    with pytest.raises(ValueError, match=r"ck/meta\.json: missing \['tp'\]"):
+        load_full_state(str(ck))
+
+
+def test_export_errors_and_its_temporary_directory(tmp_path, capsys):
+    path = helpers.make_checkpoint(str(tmp_path / "hf"), "llama", with_tokenizer=False)
+    for name, critic in (("actor", False), ("critic", True)):
+        m = load_model(path, value_head=critic, lm_head=not critic)
+        os.makedirs(ck := str(tmp_path / name))
+        reshard.save_model_shard(m, Layout(), ck)
+        json.dump({"step": 1, "tp": 1, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck + "/meta.json", "w"))
+    with pytest.raises(ValueError, match="critic.*is a critic .*value head, no LM head"):
+        reshard.main([str(tmp_path / "critic"), "--to-hf", str(tmp_path / "out_critic")])
+    for gb in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            reshard.main([str(tmp_path / "actor"), "--to-hf", str(tmp_path / "out"), "--max-shard-gb", gb])
+        assert f"--max-shard-gb {float(gb)}: expected a shard size in GB > 0" in capsys.readouterr().err
+    os.makedirs(tmp_path / "out.tmp")  # the user's, not ours
+    (tmp_path / "out.tmp" / "mine.txt").write_text("keep")
+    reshard.main([str(tmp_path / "actor"), "--to-hf", str(tmp_path / "out")])
+    assert (tmp_path / "out.tmp" / "mine.txt").read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == ["actor", "critic", "hf", "out", "out.tmp"]
+    got = load_file(str(tmp_path / "out" / "model-00001-of-00001.safetensors"))
+    want = load_file(os.path.join(path, "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)

@@ -113,6 +113,9 @@ def test_math_equivalence(a, b, expected):
     ("the answer is 7", "7", 0.0),  # no box
     ("\\boxed{\\frac{1}{2}", "\\frac{1}{2}", 0.0),  # truncated box
     ("\\boxed{3}", "\\boxed{3}", 1.0),  # a boxed ground truth is unboxed too
+    ("\\boxed {5}", "5", 1.0),  # a space before the brace
+    ("\\boxed{\\frac{\\pi}{2}}", "\\frac\\pi2", 1.0),  # \frac with a command argument
+    ("\\boxed{\\sqrt{\\pi}}", "\\sqrt\\pi", 1.0),
 ])
 def test_math_score(solution, truth, expected):
     for source in R.MATH_SOURCES:
@@ -129,6 +132,7 @@ def test_math_score(solution, truth, expected):
     ("Answer: \\boxed{1,000}.", "1000", 1.0, "1000"),
     ("Answer: $x = 12$", "12", 1.0, "12"),
     ("Answer: 43", "42", -1.0, "43"),
+    ("Answer: 42", "\\boxed{42}", 1.0, "42"),  # a boxed ground truth is unboxed
     ("I think it is 42", "42", -1.0, "[INVALID]"),
     ("Answer: 42\n" + "more text " * 40, "42", -1.0, "[INVALID]"),  # outside the last 300 characters
 ])

@@ -8,6 +8,7 @@ import torch
 
 import helpers
 import parallel
+import rollout
 from model import load_model
 from rollout import Generator, SamplingParams
 
@@ -259,7 +260,11 @@ def test_errors_name_the_problem(model):
     with pytest.raises(ValueError, match="token id 999 outside"):
         gen.generate([[1, 999]], SamplingParams(max_new_tokens=2))
     for bad, key in ((dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"), (dict(n=0), "n="),
-                     (dict(top_k=-3), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")):
+                     (dict(top_k=-3), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
+                     (dict(stop_token_ids=5), r"stop_token_ids=5: expected a list or tuple of ints \(one id: \(id,"),
+                     (dict(stop_token_ids=[1, 2.0]), "stop_token_ids"), (dict(seed=1.5), "seed=1.5: expected an int"),
+                     (dict(seed=None), "seed=None"),
+                     (dict(stop_token_ids=(7, 272)), "stop_token_ids: id 272 is outside the model's vocab.*0..271")):
         with pytest.raises(ValueError, match=f"SamplingParams.{key}"):
             gen.generate([[1]], SamplingParams(**{"max_new_tokens": 2, **bad}))
     with pytest.raises(ValueError, match="expected 2 ints"):
@@ -268,6 +273,27 @@ def test_errors_name_the_problem(model):
         Generator(model, max_len=64, kv_cache_tokens=10)
     with pytest.raises(ValueError, match="vocab_size=999"):
         Generator(model, vocab_size=999)
+
+
+
+def test_cli_checks_the_sampling_options_first(capsys):
+    with pytest.raises(SystemExit):  # before loading anything: the directory does not exist
+        rollout.main(["/nonexistent", "--prompt", "hi", "--n", "0"])
+    assert "--n=0: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_sliding_window_model_fits_when_the_sequence_does(tmp_path):
+    path = helpers.make_checkpoint(str(tmp_path), "mistral", with_tokenizer=False, sliding_window=100)
+    ours, ref = load_model(path).eval(), helpers.hf_model(path)
+    prompt = rand_prompts((80,), seed=3)[0]
+    gen = Generator(ours, max_rows=2)  # 90 positions needed: the cache must not round up past the window
+    got = gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10), eos_token_ids=[258])
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=258,
+                            pad_token_id=258)
+    assert got[0].token_ids == want[0, 80:].tolist() and gen.cache.max_len <= 100
+    with pytest.raises(ValueError, match="max_len=101 exceeds the model's sliding_window=100"):
+        gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=21))
 
 
 # ----------------------------------------------------------------------------- tensor parallel

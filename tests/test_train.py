@@ -109,6 +109,31 @@ def test_bypass_mode_takes_pi_old_from_the_rollout(synth, tmp_path):
         assert abs(plain[k] - bypass[k]) <= 1e-5 * max(1.0, abs(plain[k])), (k, plain[k], bypass[k])
 
 
+def test_dapo_refill_keeps_groups_apart(synth, tmp_path):
+    """Dynamic sampling that draws the same prompts again within a step: each draw's group is its own (n samples,
+    not 2n, behind one baseline). The first draw keeps half the groups, the second fills the batch. Also the
+    shaped score (`seq_reward`), worked by hand: score + min(0, -(len - (L - buf)) / buf) with L = 4, buf = 2."""
+    t = train.Trainer(train.load_config(CONFIG, overrides(
+        synth, str(tmp_path), "algorithm.filter_groups.enable=true", "algorithm.overlong_buffer.enable=true",
+        "algorithm.overlong_buffer.len=2")))
+    same, n, draws = t.sampler.next_indices(), t.cfg.rollout.n, []
+    t.sampler.next_indices = lambda: list(same)
+
+    def score(batch):  # scores 0, 1, 0, 1, ... (mixed in every group); the first draw zeroes half the prompts
+        s = (torch.arange(len(batch)) % 2).float()
+        if not draws:
+            s[[i for i in range(len(batch)) if int(batch.index[i]) in same[len(same) // 2:]]] = 0.0
+        draws.append(len(batch))
+        return s, {}, 0
+    t.score = score
+    batch, metrics = t.rollout_batch()
+    assert metrics["train/num_gen_batches"] == 2 and len(batch) == len(same) * n
+    _, counts = torch.unique(batch.index, return_counts=True)
+    assert counts.tolist() == [n] * len(same)
+    T, lengths = batch.tensors, batch.response_mask.sum(-1)
+    assert torch.equal(T["seq_reward"], T["score"] + torch.clamp(-(lengths - 2) / 2, max=0.0))
+
+
 @pytest.mark.parametrize("algo", [
     ["algorithm.adv_estimator=grpo"],
     ["algorithm.adv_estimator=gae"],
@@ -222,39 +247,51 @@ def test_sigkill_while_saving_keeps_the_last_checkpoint(small_synth, tmp_path):
 
 
 def _nan_on_rank(rank, world, synth, out, bad_rank, max_skips):
-    """Poison the policy loss on one rank at step 2; return what every rank saw."""
+    """Poison the policy loss on one rank at step 2; return what every rank saw, and per step whether the weights
+    moved."""
     import algorithms
     real = algorithms.compute_policy_loss
     t = train.Trainer(train.load_config(CONFIG, overrides(synth, out, "trainer.total_steps=3", "trainer.test_freq=-1",
+                                                          "actor.ppo_mini_batch_size=32",  # one optimizer step a step
                                                           f"trainer.max_nonfinite_skips={max_skips}")))
 
     def poisoned(*a, **k):
         loss, m = real(*a, **k)
         return (loss * float("nan"), m) if t.step == 1 and rank == bad_rank else (loss, m)
 
-    algorithms.compute_policy_loss = poisoned
-    before = [p.detach().clone() for p in t.actor.model.parameters()]
+    real_step, moved = t.train_step, []
+
+    def step():
+        before = [p.detach().clone() for p in t.actor.model.parameters()]
+        try:
+            return real_step()
+        finally:
+            moved.append(any(not torch.equal(a, p) for a, p in zip(before, t.actor.model.parameters())))
+
+    algorithms.compute_policy_loss, t.train_step = poisoned, step
     try:
         t.fit()
     except FloatingPointError as e:
-        return {"raised": str(e), "step": t.step}
+        return {"raised": str(e), "step": t.step, "moved": moved}
     finally:
         algorithms.compute_policy_loss = real
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f] if rank == 0 else None
-    changed = any(not torch.equal(a, p) for a, p in zip(before, t.actor.model.parameters()))
-    return {"rows": rows, "changed": changed, "skips": t.nonfinite_skips}
+    return {"rows": rows, "moved": moved, "skips": t.nonfinite_skips}
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_by_all(small_synth, tmp_path):
+    """A non-finite gradient norm on one rank skips that optimizer step on every rank (verl): the weights do not
+    move in step 2 and do in steps 1 and 3; past trainer.max_nonfinite_skips it raises everywhere."""
     res = helpers.run_distributed(_nan_on_rank, 2, small_synth, str(tmp_path / "skip"), 1, 1)
     assert [r["skips"] for r in res] == [1, 1]
+    assert all(r["moved"] == [True, False, True] for r in res)
     rows = res[0]["rows"]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[1] == {"step": 2, "train/nonfinite_skipped": 1.0}
-    assert "actor/pg_loss" in rows[2] and all(r["changed"] for r in res)
+    assert rows[1]["actor/nonfinite_skipped"] == 1.0 and "actor/grad_norm" not in rows[1]
+    assert "actor/pg_loss" in rows[2] and "actor/nonfinite_skipped" not in rows[2]
     res = helpers.run_distributed(_nan_on_rank, 2, small_synth, str(tmp_path / "abort"), 0, 0)
-    assert all("non-finite grad norm" in r["raised"] and r["step"] == 1 for r in res)
+    assert all("non-finite actor grad norm" in r["raised"] and r["step"] == 1 for r in res)
 
 
 def _run_rows(rank, world, synth, out, *extra):
