@@ -102,8 +102,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     """A hash of what decides the token ids: the backend's whole pipeline (not just its vocab) and the chat template."""
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None
-             else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -133,10 +132,10 @@ def _clear_stale_lock(lock: str) -> None:
 class PromptDataset:
     """Tokenized prompts of verl-schema parquet files, memory-mapped from a shared Arrow cache.
 
-    Items are dicts: `prompt_ids` (list[int]), `data_source`, `ground_truth` (str), `extra_info`
-    (dict), `index` (the item's position in this dataset), the prompt (under `prompt_key`),
-    `reward_model` and any other source columns. Overlong prompts are dropped (`filter_overlong`, counted in `num_filtered`) or
-    else handled by `truncation`: "error", "left" (keep the end), "right", "middle"."""
+    Items are dicts: `prompt_ids` (list[int]), `data_source`, `ground_truth` (str), `extra_info` (dict), `index` (the
+    item's position in this dataset), the prompt (under `prompt_key`), `reward_model` and any other source columns.
+    Overlong prompts are dropped (`filter_overlong`, counted in `num_filtered`) or else handled by `truncation`:
+    "error", "left" (keep the end), "right", "middle"."""
 
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str = "error",
                  filter_overlong: bool = True, prompt_key: str = "prompt", cache_dir: str | None = None,

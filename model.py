@@ -178,8 +178,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     if s := cfg.rope_scaling:  # Llama 3: scale long wavelengths by 1/factor, keep short ones, blend in between
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
+        factor, lo, hi, old = (s[k] for k in LLAMA3_ROPE_KEYS)
         wavelen = 2 * math.pi / inv
         smooth = ((old / wavelen) - lo) / (hi - lo)
         blended = (1 - smooth) * inv / factor + smooth * inv
@@ -441,9 +440,8 @@ class Attention(nn.Module):
         tp, hd = layout.tp, cfg.head_dim
         self.layer_idx = layer_idx  # index inside this stage (the KV cache's layer axis)
         self.h, self.hkv, self.hd, self.window = cfg.num_heads // tp, cfg.num_kv_heads // tp, hd, cfg.sliding_window
-        parts = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(parts), cfg.attention_bias, layout, parts, dtype,
-                                             device)
+        qkv = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(qkv), cfg.attention_bias, layout, qkv, dtype, device)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, False, layout, dtype, device)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
@@ -475,8 +473,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, layout, dtype, device)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(fused(silu_mul, gate_up)(gate_up))
+        return self.down_proj(fused(silu_mul, x)(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -511,9 +508,8 @@ class Transformer(nn.Module):
         self.embed_tokens = embedding() if first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, i, **kw) for i in range(end - start))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if last else None
-        self.lm_head = None
-        if last and lm_head:  # tied on one stage: the same Parameter, counted once, updated once
-            self.lm_head = self.embed_tokens if cfg.tie_word_embeddings and first else embedding()
+        tied = cfg.tie_word_embeddings and first  # tied on one stage: the same Parameter, counted once, updated once
+        self.lm_head = (self.embed_tokens if tied else embedding()) if last and lm_head else None
         self.value_head = nn.Linear(cfg.hidden_size, 1, **kw) if (last and value_head) else None
         for p in self.value_head.parameters() if self.value_head is not None else ():
             p.tp_dim, p.tp_parts = None, None

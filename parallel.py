@@ -138,8 +138,7 @@ def make_layout(tp: int = 1, pp: int = 1) -> Layout:
 
 
 def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model") -> None:
-    """Check a (tp, pp) layout against a model config (model.ModelConfig) before anything is built.
-    Errors name the model, the counts and the valid choices."""
+    """Check a (tp, pp) layout against a model config (model.ModelConfig) before anything is built."""
     need = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
     valid = [t for t in range(1, world_size + 1) if world_size % (t * max(pp, 1)) == 0
@@ -288,8 +287,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        return reduce_from_tp(F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 # ----------------------------------------------------------------------------- vocab-parallel log-probs
@@ -307,8 +305,7 @@ def _logit_stats(logits, local, own, temperature: float):
 
 
 def _logit_grad(logits, local, own, lse, ez, g_logp, g_ent, temperature: float):
-    """d/dlogits of g_logp * log p(t) + g_ent * H, recomputing p from the logits (nothing [T, V] was saved):
-    (onehot(t) - p) * g_logp - p * (z - E_p[z]) * g_ent, over the temperature."""
+    """d/dlogits of g_logp * log p(t) + g_ent * H, recomputing p from the logits (nothing [T, V] was saved)."""
     z = logits.float() / temperature
     p = torch.exp(z - lse.unsqueeze(-1))
     hit = (torch.arange(z.shape[-1], device=z.device) == local.unsqueeze(-1)) & own.unsqueeze(-1)
@@ -369,10 +366,6 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
 # ----------------------------------------------------------------------------- pipeline schedule
 
 
-def _tokens(mb: dict) -> int:
-    return mb["input_ids"].numel()
-
-
 def _detach(out: dict) -> dict:
     return {k: (v.detach() if torch.is_tensor(v) else v) for k, v in out.items()}
 
@@ -392,7 +385,7 @@ def _p2p(model, layout: Layout, send_next=None, send_prev=None, recv_prev=None, 
         if send is not None:
             ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), layout.pp_ranks[peer], layout.pp_group))
         if recv is not None:
-            got[i] = next(model.parameters()).new_empty(_tokens(recv), model.cfg.hidden_size)
+            got[i] = next(model.parameters()).new_empty(recv["input_ids"].numel(), model.cfg.hidden_size)
             ops.append(dist.P2POp(dist.irecv, got[i], layout.pp_ranks[peer], layout.pp_group))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
@@ -408,7 +401,7 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
     runs on the last stage; gradients accumulate as usual (into the optimizer's buffers). Returns the
     detached `outputs` of each micro-batch on the last stage and empty dicts elsewhere. Empty micro-batches
     skip the model; the last stage still calls loss_fn on an empty hidden (without grad) for their outputs."""
-    work = [i for i, mb in enumerate(micro_batches) if _tokens(mb) > 0]
+    work = [i for i, mb in enumerate(micro_batches) if mb["input_ids"].numel() > 0]
     param = next(model.parameters())
     if layout.pp_group not in _WARM_GROUPS:  # NCCL wants the whole group in its first collective
         all_reduce(torch.zeros(1, device=param.device), layout.pp_group)
@@ -417,7 +410,7 @@ def pipeline_forward_backward(model, layout: Layout, micro_batches: list[dict], 
     if layout.is_last_stage:  # empty micro-batches: loss_fn on an empty hidden gives their outputs
         with torch.no_grad():
             for i, mb in enumerate(micro_batches):
-                if _tokens(mb) == 0:
+                if mb["input_ids"].numel() == 0:
                     outputs[i] = _detach(loss_fn(model, param.new_zeros(0, model.cfg.hidden_size), mb)[1])
     return [outputs.get(i, {}) for i in range(len(micro_batches))]
 
@@ -512,8 +505,7 @@ class ShardedAdamW:
         if layout.embed_group is not None and getattr(model.cfg, "tie_word_embeddings", False):
             mine = model.embed_tokens if layout.is_first_stage else model.lm_head
             ok = all_reduce(torch.tensor([float(mine is not None)], device=dev), layout.embed_group, dist.ReduceOp.MIN)
-            if ok.item() == 1.0:
-                self.tied = mine.weight
+            self.tied = mine.weight if ok.item() == 1.0 else None
         # flat order: the tied copy, replicated, sharded, then TP-partial last (one contiguous all-reduce)
         named.sort(key=lambda item: self._kind(item[1])[::-1])
         self.params = [p for _, p in named]
@@ -590,8 +582,7 @@ class ShardedAdamW:
 
     def expect_backwards(self, m: int) -> None:
         """Announce m backward passes (this rank's non-empty micro-batches, on every pipeline stage) after
-        zero_grad: a bucket then starts its DP reduction as soon as its last gradient is in, overlapped with
-        the rest of the backward. Without it, reduce_gradients does it all."""
+        zero_grad: each bucket then starts its DP sum once its last gradient is in (else reduce_gradients does)."""
         self.need = [m * k for k in self.counts]
 
     def _launch_ready(self) -> None:
@@ -604,16 +595,14 @@ class ShardedAdamW:
             self.launched += 1
 
     def _reduce_bucket(self, i: int) -> None:
-        """Start the DP sum of bucket i: NCCL reduce-scatters it in place (rank r's output is its own part of
-        the bucket), gloo, lacking reduce_scatter in older torch, all-reduces it."""
+        """Start bucket i's DP sum in place: NCCL reduce-scatters it, gloo (older torch lacks that) all-reduces it."""
         bucket, group = self.grad_buffer[self.buckets[i][0]:self.buckets[i][1]], self.layout.dp_group
         if group is not None:
             self.works.append(_reduce_scatter_flat(self.owned_grads[i], bucket, group=group, async_op=True)
                               if self.nccl else dist.all_reduce(bucket, group=group, async_op=True))
 
     def reduce_gradients(self) -> None:
-        """Complete the accumulated gradients: the DP sum of every bucket not started during the backward,
-        the TP partial sums and tied embedding copies, then the DP sum of the buckets holding those."""
+        """The DP sums not started in the backward, then the TP partial and tied sums, then their buckets' DP sums."""
         for i in self.order[self.launched:]:
             self._reduce_bucket(i)
         if self.partial is not None:

@@ -3,32 +3,31 @@
     torchrun --nproc_per_node=8 train.py configs/7b.yaml [key.path=value ...]
     python train.py configs/tiny.yaml                        # one process, CPU
 
-Every rank runs this same file (SPMD). The actor, its generation engine, the frozen reference
-policy and (for PPO) the critic share the same GPUs in turn: HybridFlow's colocated engine.
-All ranks hold the whole batch of rollouts (small next to the model); the DP split chooses rows.
+Every rank runs this same file (SPMD). The actor, its generation engine, the frozen reference policy and (for PPO) the
+critic share the same GPUs in turn: HybridFlow's colocated engine. All ranks hold the whole batch of rollouts (small
+next to the model); the DP split chooses rows.
 
 One step
 --------
-1. **Generate.** Reshard the actor from its training layout (tp x pp x dp) into its generation
-   layout (tp_g, no pipeline, W/tp_g replicas); each replica samples `rollout.n` responses for its
-   share of the prompts, with every token's log-prob; then the weights go back, the KV cache is freed.
-2. **Score.** Rule-based rewards (rewards.py), DAPO's overlong shaping (the shaped score is
-   `seq_reward`) and dynamic sampling: groups whose n responses all score the same carry no signal for
-   a group-relative advantage, so they are dropped and more prompts drawn until the batch is full.
-3. **Recompute**, in packed micro-batches in the training layout: log-probs under the actor (pi_old;
-   they differ slightly from the generator's, see training/rollout_probs_diff_*; with
-   `algorithm.rollout_is.bypass_mode` the generator's stand in for them, one forward pass less) and
-   under the reference policy (for a KL term), and the critic's values.
-4. **Advantages** (algorithms.py): GAE with the critic's values (PPO), or outcome-based group
-   baselines (GRPO, RLOO, REINFORCE++).
-5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts,
-   one optimizer step each, over micro-batches of at most `actor.max_tokens_per_micro_batch` tokens
-   spread evenly over the DP ranks. Each micro-batch loss is divided by the *global* denominator of
-   its mini-batch (tokens or sequences, over all micro-batches and DP ranks), so the gradient is the
-   same however the batch was split.
+1. **Generate.** Reshard the actor from its training layout (tp x pp x dp) into its generation layout (tp_g, no
+   pipeline, W/tp_g replicas); each replica samples `rollout.n` responses for its share of the prompts, with every
+   token's log-prob; then the weights go back, the KV cache is freed.
+2. **Score.** Rule-based rewards (rewards.py), DAPO's overlong shaping (the shaped score is `seq_reward`) and dynamic
+   sampling: groups whose n responses all score the same carry no signal for a group-relative advantage, so they are
+   dropped and more prompts drawn until the batch is full.
+3. **Recompute**, in packed micro-batches in the training layout: log-probs under the actor (pi_old; they differ
+   slightly from the generator's, see training/rollout_probs_diff_*; with `algorithm.rollout_is.bypass_mode` the
+   generator's stand in for them, one forward pass less) and under the reference policy (for a KL term), and the
+   critic's values.
+4. **Advantages** (algorithms.py): GAE with the critic's values (PPO), or outcome-based group baselines (GRPO, RLOO,
+   REINFORCE++).
+5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, one optimizer step
+   each, over micro-batches of at most `actor.max_tokens_per_micro_batch` tokens spread evenly over the DP ranks. Each
+   micro-batch loss is divided by the *global* denominator of its mini-batch (tokens or sequences, over all
+   micro-batches and DP ranks), so the gradient is the same however the batch was split.
 
-Results of the last pipeline stage reach every rank as a world sum to which only the (last stage,
-tp rank 0) ranks contribute, so every rank sees the same numbers.
+Results of the last pipeline stage reach every rank as a world sum to which only the (last stage, tp rank 0) ranks
+contribute, so every rank sees the same numbers.
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ import yaml
 from tqdm import tqdm
 
 import algorithms as alg
-from data import PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
+from data import TRUNCATIONS, PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
 from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipeline_forward_backward,
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
@@ -240,7 +239,7 @@ LOGGERS = ("console", "jsonl", "tensorboard")
 POSITIVE = ("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
             "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.max_tokens_per_micro_batch", "rollout.n",
             "rollout.val_n", "rollout.max_rows")
-CHOICES = {"data.truncation": ("error", "left", "right", "middle"), "actor.dtype": ("auto", "bf16", "fp32"),
+CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32"),
            "actor.loss_agg_mode": alg.LOSS_AGG_MODES, "critic.loss_agg_mode": alg.LOSS_AGG_MODES,
            "actor.policy_loss_mode": alg.POLICY_LOSS_MODES, "actor.kl_loss_type": alg.KL_PENALTIES,
            "algorithm.kl_penalty": alg.KL_PENALTIES, "algorithm.adv_estimator": alg.ADV_ESTIMATORS,
@@ -492,8 +491,7 @@ class Trainer:
         self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if kc.type == "fixed"
                         else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
         self.reward_fn = load_reward_fn(cfg.reward.fn or None)
-        ds = (self.tokenizer, d.max_prompt_length, d.truncation, d.filter_overlong_prompts, d.prompt_key,
-              d.cache_dir or None)
+        ds = (self.tokenizer, d.max_prompt_length, d.truncation, d.filter_overlong_prompts, d.prompt_key, d.cache_dir)
         self.train_data = PromptDataset(d.train_files, *ds)
         self.val_data = PromptDataset(d.val_files, *ds) if d.val_files else None
         self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
@@ -501,14 +499,13 @@ class Trainer:
         self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, offload, seed=cfg.trainer.seed)
         self.step, self.nonfinite_skips = 0, 0
 
-    def _role(self, path: str, ocfg: OptimConfig | None, value_head: bool = False) -> Role:
+    def _role(self, path: str, o: OptimConfig | None, value_head: bool = False) -> Role:
         m = load_model(path, self.layout, self.dtype, self.device, random_init=self.cfg.actor.random_init,
                        seed=self.cfg.trainer.seed, value_head=value_head, lm_head=not value_head)
-        if ocfg is None:
+        if o is None:
             return Role(m.requires_grad_(False), None)
         m.gradient_checkpointing = self.cfg.actor.gradient_checkpointing
-        return Role(m, ShardedAdamW(m, self.layout, lr=ocfg.lr, betas=tuple(ocfg.betas),
-                                    weight_decay=ocfg.weight_decay))
+        return Role(m, ShardedAdamW(m, self.layout, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay))
 
     # --- generation
     def generate(self, items: list[dict], temperature: float, n: int, seed: int) -> Batch:
@@ -556,10 +553,8 @@ class Trainer:
                                       seed=cfg.trainer.seed + 7919 * self.step + len(kept))
             scores, extras, errors = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
-            shaped = scores
-            if ob.enable:
-                shaped = scores + alg.compute_overlong_penalty(batch.response_mask.sum(-1),
-                                                               cfg.data.max_response_length, ob.len, ob.penalty_factor)
+            shaped = scores + alg.compute_overlong_penalty(batch.response_mask.sum(-1), cfg.data.max_response_length,
+                                                           ob.len, ob.penalty_factor) if ob.enable else scores
             batch.tensors.update(score=scores, seq_reward=shaped, **{"extra/" + k: v for k, v in extras.items()})
             if not fg.enable:
                 return batch, metrics
