@@ -807,11 +807,11 @@ class Trainer:
     # --- the loop
     def fit(self) -> None:
         tc = self.cfg.trainer
+        self.maybe_resume()  # first: a refused output_dir keeps its config.yaml
         if self.rank == 0:
             os.makedirs(self.out, exist_ok=True)
             write_text(os.path.join(self.out, "config.yaml"),
                        yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
-        self.maybe_resume()
         logger, stop = Logger(self.cfg, self.rank, fresh=self.step == 0), {"sigterm": False}
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
         try:

@@ -215,7 +215,13 @@ def _train_main(env, tmp, *extra):
 
 def _fresh_over_checkpoints(env, tmp):
     _train_main(env, tmp, "trainer.save_freq=1", "trainer.test_freq=-1")
-    _train_main(env, tmp, "trainer.resume=never")
+    _train_main(env, tmp, "trainer.resume=never", "trainer.seed=5")
+
+
+def _first_run_untouched(env, tmp):  # the refused run rewrote neither the first one's config nor its metrics
+    run = os.path.join(tmp, "run")
+    rows = open(os.path.join(run, "metrics.jsonl")).read().count("\n")
+    return [run] if rows != 1 or yaml.safe_load(open(os.path.join(run, "config.yaml")))["trainer"]["seed"] != 0 else []
 
 
 def _gae_over_grpo(env, tmp):
@@ -472,7 +478,7 @@ CASES = [
     Case("resume-never-over-checkpoints", "trainer.resume=never in an output_dir holding checkpoints",
          _fresh_over_checkpoints, ValueError,
          r"trainer\.output_dir '.*run' holds checkpoints of another run \(steps \[1\]\); resume it with "
-         r"trainer\.resume=auto"),
+         r"trainer\.resume=auto", _first_run_untouched),
     Case("resume-gae-from-grpo", "PPO (adv_estimator=gae) resuming a GRPO checkpoint (no critic)",
          _gae_over_grpo, ValueError, r"trainer\.resume: '.*step_1' holds no critic"),
     Case("load-into-truncated-shard", "load_into(model, ckpt with model_pp0_tp0.safetensors cut in half)",
