@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import itertools
 import json
 import math
 import os
@@ -570,9 +571,9 @@ class Trainer:
             kept.append(batch.select(keep))
             num_prompts += len(keep) // n
         metrics["train/num_gen_batches"] = float(len(kept))
-        for b in kept:  # a scorer's extra key missing from a whole generation batch: NaN there
-            for k in dict.fromkeys(k for b in kept for k in b.tensors):
-                b.tensors.setdefault(k, torch.full((len(b),), float("nan")))
+        keys = {k for part in kept for k in part.tensors}  # a scorer's extra missing from a whole draw: NaN there
+        for part, k in itertools.product(kept, keys):
+            part.tensors.setdefault(k, torch.full((len(part),), float("nan")))
         batch = Batch.combine(kept, torch.cat, lambda lists: sum(lists, []))  # concatenate
         return batch.select(list(range(cfg.data.train_batch_size * n))), metrics
 
