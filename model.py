@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, fused,
-                      stage_layers)
+                      stage_layers, tp_rows)
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
@@ -145,6 +145,9 @@ class ModelConfig:
         return self.hidden_size * (2 * self.head_dim * (self.num_heads + self.num_kv_heads)
                                    + 3 * self.intermediate_size)
 
+    def kv_heads_per_rank(self, tp: int) -> int:  # 1 when tp > num_kv_heads: each held by tp / num_kv_heads ranks
+        return self.num_kv_heads // min(tp, self.num_kv_heads)
+
     @property
     def head_cost(self) -> float:  # the LM head in layers' worth of matrix FLOPs, for parallel.stage_layers
         return self.vocab_size * self.hidden_size / self.layer_params
@@ -157,7 +160,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-        self.weight.tp_dim, self.weight.tp_parts = None, None
+        self.weight.tp_dim, self.weight.tp_parts, self.weight.tp_unit = None, None, 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused(rms_norm, x)(x, self.weight, self.eps)
@@ -428,7 +431,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, num_layers: int, tp: int, dtype) -> int:
-        return 2 * num_layers * (cfg.num_kv_heads // tp) * cfg.head_dim * torch.finfo(dtype).bits // 8
+        return 2 * num_layers * cfg.kv_heads_per_rank(tp) * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -439,9 +442,10 @@ class Attention(nn.Module):
         super().__init__()
         tp, hd = layout.tp, cfg.head_dim
         self.layer_idx = layer_idx  # index inside this stage (the KV cache's layer axis)
-        self.h, self.hkv, self.hd, self.window = cfg.num_heads // tp, cfg.num_kv_heads // tp, hd, cfg.sliding_window
-        qkv = [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(qkv), cfg.attention_bias, layout, qkv, dtype, device)
+        self.h, self.hkv, self.hd = cfg.num_heads // tp, cfg.kv_heads_per_rank(tp), hd
+        self.window, qkv = cfg.sliding_window, [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sum(qkv), cfg.attention_bias, layout, qkv, dtype, device,
+                                             unit=hd)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, False, layout, dtype, device)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
@@ -512,7 +516,7 @@ class Transformer(nn.Module):
         self.lm_head = (self.embed_tokens if tied else embedding()) if last and lm_head else None
         self.value_head = nn.Linear(cfg.hidden_size, 1, **kw) if (last and value_head) else None
         for p in self.value_head.parameters() if self.value_head is not None else ():
-            p.tp_dim, p.tp_parts = None, None
+            p.tp_dim, p.tp_parts, p.tp_unit = None, None, 1
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.gradient_checkpointing, self.attn_backend = False, attention_backend(torch.device(device or "cpu"))
 
@@ -562,10 +566,11 @@ class Transformer(nn.Module):
         t, r = self.layout.tp, self.layout.tp_rank
         for name, p in params:
             pieces, d = [], p.tp_dim
-            for j, hf in enumerate(self.hf_names(name)):  # piece j in full; this rank reads its slice r of t along d
+            for j, hf in enumerate(self.hf_names(name)):  # piece j in full; this rank reads its rows along d
                 shape = [p.tp_parts[j] if k == d else size for k, size in enumerate(p.shape)]
-                full, n = full_tensor(name, j, hf, shape), shape[d or 0] // t
-                pieces.append(full[:] if d is None else full[(slice(None),) * d + (slice(r * n, (r + 1) * n),)])
+                full = full_tensor(name, j, hf, shape)
+                rows = None if d is None else tp_rows(shape[d], t, r, p.tp_unit)
+                pieces.append(full[:] if d is None else full[(slice(None),) * d + (rows,)])
             with torch.no_grad():
                 p.copy_(torch.cat(pieces, dim=d or 0))
 

@@ -22,9 +22,12 @@ column (whole heads per rank) then the output projection row: one all-reduce eac
 mirror each other: the identity `f` in front of a column layer all-reduces gradients in backward, the all-reduce
 `g` after a row layer is the identity in backward. The embedding and the LM head are split over the vocabulary.
 
-Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated) and `tp_parts`
+Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row, None when replicated), `tp_parts`
 (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv: each is split separately on head
-boundaries, and the local shard concatenates the local pieces). Loading, resharding and export all follow this rule.
+boundaries, and the local shard concatenates the local pieces) and `tp_unit` (the rows a piece splits on: head_dim
+for q, k, v). Loading, resharding and export all follow this rule (`tp_rows`). A piece with fewer units than ranks (KV
+heads when tp > num_kv_heads, as Qwen2.5-7B's 4 at tp = 8) is replicated: each of its heads is held by tp / num_kv_heads
+neighbouring ranks, each of which sees only its own query heads, so the head's gradient is summed over its holders.
 
 Log-probs over a split vocabulary
 ---------------------------------
@@ -63,6 +66,7 @@ state the same way and keeps it per parameter (`full_state`), so a run can resum
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -141,14 +145,16 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
     """Check a (tp, pp) layout against a model config (model.ModelConfig) before anything is built."""
     need = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
-    valid = [t for t in range(1, world_size + 1) if world_size % (t * max(pp, 1)) == 0
-             and all(v % t == 0 for v in need.values())]
+    fits = lambda key, t: need[key] % t == 0 or key == "num_key_value_heads" and t % need[key] == 0  # noqa: E731
+    valid = [t for t in range(1, world_size + 1)
+             if world_size % (t * max(pp, 1)) == 0 and all(fits(k, t) for k in need)]
     if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
         raise ValueError(f"{name}: world size {world_size} is not divisible by tp*pp = {tp}*{pp}; valid tp "
                          f"sizes for this model with pp={pp}: {valid}")
     for key, n in need.items():
-        if n % tp:
-            raise ValueError(f"{name}: {key}={n} is not divisible by tp={tp}; valid tp sizes for "
+        if not fits(key, tp):
+            how = ", nor is tp a multiple of it (KV heads replicated)" if key == "num_key_value_heads" else ""
+            raise ValueError(f"{name}: {key}={n} is not divisible by tp={tp}{how}; valid tp sizes for "
                              f"this model and {world_size} ranks: {valid}")
     if pp > cfg.num_layers:
         fits = [p for p in range(1, cfg.num_layers + 1) if world_size % (tp * p) == 0]
@@ -236,26 +242,65 @@ def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
 # ----------------------------------------------------------------------------- TP layers
 
 
-def _param(shape: tuple, tp_dim, parts, dtype, device, init=torch.empty) -> nn.Parameter:
+def tp_chunks(full: int, tp: int, unit: int = 1) -> int:
+    """Distinct TP shards of a piece of `full` rows that splits on `unit` rows: tp, or its unit count when smaller."""
+    return min(tp, full // unit)
+
+
+def tp_rows(full: int, tp: int, rank: int, unit: int = 1) -> slice:
+    """The rows of such a piece that TP rank `rank` holds: shard rank * chunks // tp (ranks share a replicated one)."""
+    chunks = tp_chunks(full, tp, unit)
+    n, c = full // chunks, rank * chunks // tp
+    return slice(c * n, (c + 1) * n)
+
+
+def _param(shape: tuple, tp_dim, parts, dtype, device, init=torch.empty, unit: int = 1) -> nn.Parameter:
     p = nn.Parameter(init(shape, dtype=dtype, device=device))
-    p.tp_dim, p.tp_parts = tp_dim, parts
+    p.tp_dim, p.tp_parts, p.tp_unit = tp_dim, parts, unit
     return p
 
 
+class _SumOverHolders(torch.autograd.Function):
+    """Identity forward. Backward: the rows of a replicated piece (a KV head on several TP ranks) get from each holder
+    only what its own query heads contribute, so they are summed over the holders: one all-reduce over TP of a
+    [chunks, rows] buffer to which each rank adds at its shard's place (no process group per head needed)."""
+
+    @staticmethod
+    def forward(ctx, w, replicas, group):
+        ctx.replicas, ctx.group = replicas, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        for rows, shard, chunks in ctx.replicas:
+            buf = g.new_zeros(chunks, *g[rows].shape)
+            buf[shard] = g[rows]
+            g[rows] = all_reduce(buf, ctx.group)[shard]
+        return g, None, None
+
+
 class ColumnParallelLinear(nn.Module):
-    """y[..., local outputs] = x W_local^T + b_local, W split by output rows ([q_r; k_r; v_r] for `parts` [q, k, v])."""
+    """y[..., local outputs] = x W_local^T + b_local, W split by output rows ([q_r; k_r; v_r] for `parts` [q, k, v],
+    each on multiples of `unit` rows, replicated where a piece has fewer units than ranks)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: Layout,
-                 parts: list[int] | None = None, dtype=None, device=None):
+                 parts: list[int] | None = None, dtype=None, device=None, unit: int = 1):
         super().__init__()
-        parts = parts or [out_features]
-        assert sum(parts) == out_features and all(n % layout.tp == 0 for n in parts)
+        parts, tp = parts or [out_features], layout.tp
+        chunks = [tp_chunks(n, tp, unit) for n in parts]
+        assert sum(parts) == out_features and all(n % (unit * c) == 0 for n, c in zip(parts, chunks))
+        at = [0, *itertools.accumulate(n // c for n, c in zip(parts, chunks))]  # local rows of each piece
         self.group = layout.tp_group
-        self.weight = _param((out_features // layout.tp, in_features), 0, parts, dtype, device)
-        self.bias = _param((out_features // layout.tp,), 0, parts, dtype, device, torch.zeros) if bias else None
+        self.replicas = [(slice(a, b), layout.tp_rank * c // tp, c) for a, b, c in zip(at, at[1:], chunks) if c < tp]
+        self.weight = _param((at[-1], in_features), 0, parts, dtype, device, unit=unit)
+        self.bias = _param((at[-1],), 0, parts, dtype, device, torch.zeros, unit) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        w, b = self.weight, self.bias
+        if self.replicas:  # (rows, its shard, shards) of each replicated piece
+            w, b = (t if t is None else _SumOverHolders.apply(t, self.replicas, self.group) for t in (w, b))
+        return F.linear(copy_to_tp(x, self.group), w, b)
 
 
 class RowParallelLinear(nn.Module):
@@ -540,21 +585,30 @@ class ShardedAdamW:
         model._sharded_adamw_hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, v, i))
                                       for p, v, i in zip(self.params, self.views, which) if p.requires_grad]
 
+    def _norm_weights(self, p) -> list[tuple[int, float]]:
+        """(elements, weight in the grad norm) along p: 1 / (the TP ranks holding the same values), so 1 for a
+        sharded piece, 1/tp for a replicated parameter, chunks/tp for a replicated KV head; 0 for the tied copy."""
+        if p is self.tied and not self.layout.is_first_stage:
+            return [(p.numel(), 0.0)]
+        if p.tp_dim != 0:
+            return [(p.numel(), 1.0 if p.tp_dim is not None else 1.0 / self.layout.tp)]
+        tp, row = self.layout.tp, p[0].numel()
+        chunks = [tp_chunks(full, tp, p.tp_unit) for full in p.tp_parts]
+        return [(row * (full // c), c / tp) for full, c in zip(p.tp_parts, chunks)]
+
     def _kind(self, p) -> tuple[bool, float, bool]:
-        """(weight decay?, weight in the grad norm (see clip_grad_norm; 0 for the tied copy), TP-partial grad?)."""
-        weight = 0.0 if p is self.tied and not self.layout.is_first_stage else (
-            1.0 if p.tp_dim is not None else 1.0 / self.layout.tp)
-        return p.dim() >= 2, weight, bool(getattr(p, "tp_partial_grad", False))
+        """(weight decay?, first norm weight (the flat order groups by it), TP-partial grad?)."""
+        return p.dim() >= 2, self._norm_weights(p)[0][1], bool(getattr(p, "tp_partial_grad", False))
 
     def _segments(self) -> list[tuple[int, int, int, bool, float]]:
         """Runs (start, end, local start, decay, norm weight) of equal kind, cut to this rank's owned ranges:
         start and end address the grad buffer, the local start the master weights and moments."""
-        runs = []  # [start, end, decay, weight] of consecutive parameters of one kind
+        runs = []  # [start, end, decay, weight] of consecutive elements of one kind
         for (_, off, _), p in zip(self.index, self.params):
-            kind = list(self._kind(p)[:2])
-            if not runs or runs[-1][2:] != kind:  # a new kind starts a new run
-                runs.append([off, off, *kind])
-            runs[-1][1] = off + p.numel()
+            for n, weight in self._norm_weights(p):
+                if not runs or runs[-1][2:] != [p.dim() >= 2, weight]:  # a new kind starts a new run
+                    runs.append([off, off, p.dim() >= 2, weight])
+                off = runs[-1][1] = off + n
         segments, local = [], 0
         for lo, hi in self.owned:
             segments += [(max(a, lo), min(b, hi), local + max(a, lo) - lo, d, w) for a, b, d, w in runs
@@ -619,8 +673,8 @@ class ShardedAdamW:
         """Scale the gradient parts so that the global L2 norm is at most max_norm (max_norm <= 0 only measures);
         returns the norm before clipping. A non-finite norm is returned as it is and nothing is scaled: the caller
         should skip the step. Every element counts once over the whole grid: DP parts are disjoint, PP stages hold
-        different layers, TP-sharded parameters are disjoint slices, and TP-replicated ones count 1/tp on each of
-        the tp ranks holding them; so one all-reduce over the world sums it all."""
+        different layers, TP-sharded parameters are disjoint slices, and values held by r TP ranks (replicated
+        parameters, r = tp; replicated KV heads) count 1/r on each; so one all-reduce over the world sums it all."""
         sq = (torch.stack(torch._foreach_norm(self.norm_parts)).square() @ self.norm_weights if self.norm_parts
               else self.grad_buffer.new_zeros(()))
         norm = world_all_reduce(sq).sqrt().item()

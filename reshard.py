@@ -21,7 +21,8 @@ generation TP group is its stage's ranks with the same t % k, its rank there t /
 tp_g > tp needs tp = 1 (from tp > 1 the generation TP rank could not follow the global rank order that torch's groups
 impose and vocab-parallel sampling uses): replicas d0*n .. d0*n+n-1 (n = tp_g) form a generation TP group, replica d
 keeping slice d % n of its shard. With pp > 1 a rank also gathers other stages' layers. Fused parameters follow
-`p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks merge per piece, on head boundaries.
+`p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks merge per piece, on head boundaries; of a
+replicated KV head (tp > num_kv_heads) the merge keeps one copy.
 
 Memory
 ------
@@ -50,7 +51,7 @@ from torch import nn
 
 from model import ModelConfig, Transformer, open_safetensors, read_json
 from parallel import (Layout, _all_gather_flat, _new_group, all_gather_objects, model_state, shard_name,
-                      stage_layers, validate_layout, world_all_reduce)
+                      stage_layers, tp_chunks, tp_rows, validate_layout, world_all_reduce)
 
 # ----------------------------------------------------------------------------- the grouping
 
@@ -107,19 +108,24 @@ def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[in
 # ----------------------------------------------------------------------------- slicing fused shards
 
 
-def _sub(t: torch.Tensor, dim, parts: list[int] | None, num: int, idx: int) -> torch.Tensor:
-    """Chunk idx of num of every fused piece of t along dim (pieces of sizes `parts`), concatenated; a
-    view when there is one piece. Full tensor -> TP shard is _sub(full, dim, tp_parts, tp, tp_rank)."""
+def _sub(t: torch.Tensor, dim, parts: list[int] | None, num: int, idx: int, unit: int = 1) -> torch.Tensor:
+    """Shard idx of num of every fused piece of t along dim (pieces of sizes `parts`, split on `unit` rows; see
+    parallel.tp_rows), concatenated; a view when there is one piece. Full tensor -> TP shard is
+    _sub(full, dim, tp_parts, tp, tp_rank, tp_unit)."""
     if dim is None or num == 1:
         return t
-    pieces = [x.narrow(dim, idx * (x.shape[dim] // num), x.shape[dim] // num) for x in t.split(parts, dim)]
+    rows = [tp_rows(x.shape[dim], num, idx, unit) for x in t.split(parts, dim)]
+    pieces = [x.narrow(dim, r.start, r.stop - r.start) for x, r in zip(t.split(parts, dim), rows)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def _merge(blocks: list[torch.Tensor], dim: int, parts: list[int]) -> torch.Tensor:
-    """Inverse of _sub over consecutive idx: [q_a; k_a; v_a], [q_b; k_b; v_b] -> [q_a q_b; k_a k_b; v_a v_b]."""
-    split = [b.split(parts, dim) for b in blocks]
-    return torch.cat([s[x] for x in range(len(parts)) for s in split], dim)
+def _merge(blocks: list[torch.Tensor], dim: int, parts: list[int], merged: list[int]) -> torch.Tensor:
+    """Inverse of _sub over consecutive idx: [q_a; k_a; v_a], [q_b; k_b; v_b] -> [q_a q_b; k_a k_b; v_a v_b], pieces
+    of sizes `parts` in each block and `merged` after. A piece with merged < k * parts (a replicated KV head) is in
+    k * parts / merged neighbouring blocks alike, so one of them is kept: [q_a q_b; k_a; v_a]."""
+    split, k = [b.split(parts, dim) for b in blocks], len(blocks)
+    return torch.cat([split[i * k * p // m][x] for x, (p, m) in enumerate(zip(parts, merged)) for i in range(m // p)],
+                     dim)
 
 
 def _owned(t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -135,10 +141,11 @@ class _Entry:
     shape: torch.Size  # what its stage's ranks contribute: their training shard, narrowed when tp_g > tp
     tp_dim: int | None
     parts: list | None  # full sizes of the fused pieces along tp_dim
+    unit: int = 1  # the rows they split on
     offset: int = 0  # element offset in the contributor's slot of the bucket
 
     def local(self, tp: int) -> list[int] | None:
-        return self.parts and [f // tp for f in self.parts]
+        return self.parts and [f // tp_chunks(f, tp, self.unit) for f in self.parts]
 
 
 def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_Entry]:
@@ -149,8 +156,9 @@ def _stage_entries(cfg: ModelConfig, tp: int, pp: int, p: int, n: int) -> list[_
         if name.startswith("lm_head.") and cfg.tie_word_embeddings:
             continue
         gen = re.sub(r"^layers\.(\d+)", lambda layer: f"layers.{start + int(layer[1])}", name)  # stage-local -> global
-        shape = torch.Size(s // n if d == prm.tp_dim else s for d, s in enumerate(prm.shape))
-        out.append(_Entry(name, gen, shape, prm.tp_dim, prm.tp_parts))
+        e = _Entry(name, gen, prm.shape, prm.tp_dim, prm.tp_parts, prm.tp_unit)
+        e.shape = _sub(prm, e.tp_dim, e.local(tp), n, 0, e.unit).shape
+        out.append(e)
     return out
 
 
@@ -259,7 +267,8 @@ class Resharder:
             self._held.append(released)
             if m == 1:  # tp_g > tp = 1 and pp == 1: narrow, no communication
                 for e in mine:
-                    data = _sub(self.model.get_parameter(e.train).detach(), e.tp_dim, e.parts, n, lay.dp_rank % n)
+                    data = _sub(self.model.get_parameter(e.train).detach(), e.tp_dim, e.parts, n, lay.dp_rank % n,
+                                e.unit)
                     self._account(data.nbytes if e.parts and len(e.parts) > 1 else 0)  # fused: a concatenated copy
                     self._set(e.gen, data)
                 continue
@@ -270,7 +279,7 @@ class Resharder:
                 for e in mine:
                     p = self.model.get_parameter(e.train)
                     slots[me, e.offset:e.offset + e.shape.numel()].view(e.shape).copy_(  # unnamed: freed by the release
-                        _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n))
+                        _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n, e.unit))
                     if n == 1:  # its slot holds this shard now: release the training copy until exit
                         self._account(-p.nbytes)
                         self.stats["released_bytes"] += p.nbytes
@@ -283,7 +292,8 @@ class Resharder:
                         blocks = [slots[stage * k + c, at].view(e.shape) for c in range(k)]
                         data = blocks[self.c_me]  # k == 1: a view into the bucket
                         if k > 1:  # replicated: this rank's own copy, bitwise what it released
-                            data = _owned(data, buf) if e.tp_dim is None else _merge(blocks, e.tp_dim, e.local(lay.tp))
+                            data = (_owned(data, buf) if e.tp_dim is None else
+                                    _merge(blocks, e.tp_dim, e.local(lay.tp), e.local(self.gen_layout.tp)))
                             self._account(data.nbytes)
                         self._set(e.gen, data)
             except BaseException:  # this bucket's released shards are only in this rank's slot: put them back
@@ -302,7 +312,7 @@ class Resharder:
         for b, released in enumerate(self._held):
             for p, e in released:
                 g = self.gen_model.get_parameter(e.gen).detach()
-                p.data = _owned(_sub(g, e.tp_dim, e.local(self.gen_layout.tp), self.k, self.c_me), g)
+                p.data = _owned(_sub(g, e.tp_dim, e.local(self.gen_layout.tp), self.k, self.c_me, e.unit), g)
             g = None  # a view into bucket b: it must not keep it alive while b + 1 is rebuilt
             for runs in self.buckets:
                 for e in runs[b]:
@@ -370,7 +380,7 @@ class _Checkpoint:
             raise ValueError(f"{f}: missing {missing}; a checkpoint's meta.json holds tp, pp and model_config")
         self.dir, tp, pp = ckpt_dir, self.meta["tp"], self.meta["pp"]
         self.cfg = ModelConfig.from_hf(self.meta["model_config"], source=f)
-        self.index = {}  # hf name -> (its stage's files, our name, tp_dim, its rows/columns in each shard)
+        self.index = {}  # hf name -> (its distinct shards' files, our name, tp_dim, its rows/columns in each)
         stages = [[os.path.join(ckpt_dir, f"{prefix}_{shard_name(Layout(tp_rank=t, pp_rank=p))}.safetensors")
                    for t in range(tp)] for p in range(pp)]
         if missing := [fn for files in stages for fn in files if not os.path.isfile(fn)]:
@@ -388,9 +398,11 @@ class _Checkpoint:
                 for fn, fh in zip(names, files):  # every shard, so one from another model cannot slip in
                     if (shape := fh.get_slice(name).get_shape()) != list(prm.shape):
                         raise ValueError(f"{fn}: tensor {name!r} has shape {shape}, expected {list(prm.shape)}")
-                parts = [n // tp for n in prm.tp_parts or [0]]
+                chunks = [tp_chunks(n, tp, prm.tp_unit) for n in prm.tp_parts or [1]]
+                parts = [n // c for n, c in zip(prm.tp_parts or [0], chunks)]
                 for j, hf in enumerate(skel.hf_names(name)):  # a tied head's copy: the embedding came first
-                    self.index.setdefault(hf, (files, name, prm.tp_dim, slice(sum(parts[:j]), sum(parts[:j + 1]))))
+                    distinct = [files[i * tp // chunks[j]] for i in range(chunks[j])]  # a replicated head once
+                    self.index.setdefault(hf, (distinct, name, prm.tp_dim, slice(sum(parts[:j]), sum(parts[:j + 1]))))
 
     def tensor(self, hf: str) -> torch.Tensor:
         if hf not in self.index:
@@ -410,7 +422,8 @@ def read_shard(model: Transformer, ckpt_dir: str, prefix: str = "model"):
                          ", ".join(f"{k}={theirs[k]!r} (model has {mine[k]!r})" for k in diff))
     for name, p in model.named_parameters():
         full = torch.cat([ck.tensor(hf) for hf in model.hf_names(name)], p.tp_dim or 0)
-        if (local := _sub(full, p.tp_dim, p.tp_parts, model.layout.tp, model.layout.tp_rank)).shape != p.shape:
+        lay = model.layout
+        if (local := _sub(full, p.tp_dim, p.tp_parts, lay.tp, lay.tp_rank, p.tp_unit)).shape != p.shape:
             raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, "
                              f"model has {list(p.shape)}")
         yield name, local

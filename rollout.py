@@ -312,7 +312,7 @@ class Generator:
             raise ValueError(f"KV cache budget of {budget} tokens ({budget * per_token / 2**30:.2f} GiB at "
                              f"{per_token} bytes/token) cannot hold one row of max_len={max_len}; raise "
                              "kv_cache_tokens / gpu_memory_fraction or shorten prompts / max_new_tokens")
-        hkv = cfg.num_kv_heads // m.layout.tp
+        hkv = cfg.kv_heads_per_rank(m.layout.tp)
         self.cache = KVCache(len(m.layers), rows, hkv, max_len, cfg.head_dim, self.dtype, self.device)
         kw = dict(device=self.device)
         # the static state the decode graphs read and write

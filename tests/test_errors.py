@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 from unittest import mock
 
@@ -340,11 +340,12 @@ CASES = [
     Case("layout-heads-not-divisible", "tp=8 (4 attention heads) on 8 ranks",
          lambda env, tmp: validate_layout(_mcfg(env), 8, 1, 8, name="actor"), ValueError,
          r"actor: num_attention_heads=4 is not divisible by tp=8; valid tp sizes for this model and 8 ranks: "
-         r"\[1, 2\]"),
-    Case("layout-kv-heads-not-divisible", "tp=4 (2 kv heads) on 4 ranks",
-         lambda env, tmp: validate_layout(_mcfg(env), 4, 1, 4, name="actor"), ValueError,
-         r"actor: num_key_value_heads=2 is not divisible by tp=4; valid tp sizes for this model and 4 ranks: "
-         r"\[1, 2\]"),
+         r"\[1, 2, 4\]"),
+    Case("layout-kv-heads-not-divisible", "tp=2 (6 heads, 3 kv heads) on 4 ranks",
+         lambda env, tmp: validate_layout(replace(_mcfg(env), num_heads=6, num_kv_heads=3), 2, 1, 4,
+                                          name="actor"), ValueError,
+         r"actor: num_key_value_heads=3 is not divisible by tp=2, nor is tp a multiple of it \(KV heads replicated\); "
+         r"valid tp sizes for this model and 4 ranks: \[1\]"),
     Case("layout-pp-exceeds-layers", "pp=4 (2 layers) on 4 ranks",
          lambda env, tmp: validate_layout(_mcfg(env), 1, 4, 4, name="actor"), ValueError,
          r"actor: pp=4 exceeds num_hidden_layers=2; valid pp sizes for tp=1 and 4 ranks: \[1, 2\]"),

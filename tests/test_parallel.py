@@ -19,8 +19,10 @@ from parallel import (ShardedAdamW, lr_at, make_layout, model_state, pipeline_fo
 V = helpers.TINY_VOCAB
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 MAX_NORM = 0.05
-TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1)]           # tp=2, pp=2, dp=2
-TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2)]          # tp2 x dp2, tp2 x pp2, pp2 x dp2
+# tp=2, pp=2, dp=2; tp=2 over one KV head (bias): replicated KV heads
+TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1), ("qwen2_kv1", 2, 1)]
+# tp2 x dp2, tp2 x pp2, pp2 x dp2; tp=4 over 2 KV heads with q/k norms (their TP-partial grads)
+TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2), ("qwen3", 4, 1)]
 BUCKET = 6000  # elements: ~30 buckets of "qwen3_odd", whose odd hidden size (63) makes some need padding
 
 
@@ -67,10 +69,14 @@ def token_mean_loss(layout):
     return loss_fn
 
 
-def local_slice(full, tp_dim, parts, tp, r):
+def local_slice(full, tp_dim, parts, tp, r, kv_heads=None):
+    """Slice r of tp of every piece; of the k and v pieces of a fused qkv (kv_heads given) with fewer heads than
+    ranks, head r * kv_heads // tp, which tp / kv_heads neighbouring ranks share."""
     if tp_dim is None:
         return full
-    return torch.cat([piece.chunk(tp, dim=tp_dim)[r] for piece in full.split(parts, dim=tp_dim)], dim=tp_dim)
+    shards = [tp if kv_heads is None or j == 0 else min(tp, kv_heads) for j in range(len(parts))]
+    return torch.cat([piece.chunk(c, dim=tp_dim)[r * c // tp]
+                      for piece, c in zip(full.split(parts, dim=tp_dim), shards)], dim=tp_dim)
 
 
 def assemble(parts):
@@ -111,7 +117,8 @@ def _train_case(path, tp, pp, steps, bucket_size=40_000_000, overlap=False, cuda
            "overlap": overlap, "state_elements": sum(x.numel() for x in (opt.master, opt.exp_avg, opt.exp_avg_sq)),
            "numel": opt.numel, "losses": [], "norms": [],
            "shard_name": shard_name(lay, with_dp=True),
-           "meta": {n: (p.tp_dim, p.tp_parts) for n, p in model.named_parameters()}}
+           "meta": {n: (p.tp_dim, p.tp_parts, model.cfg.num_kv_heads if "qkv_proj" in n else None)
+                    for n, p in model.named_parameters()}}
     with torch.no_grad():  # forward-only: log-probs of step 0's micro-batches
         outs = pipeline_forward_backward(model, lay, mine[0], loss_fn, forward_only=True)
     res["logp"] = [o.get("logp") for o in outs]
@@ -261,15 +268,15 @@ def check_train_case(results, ref, tp, pp, tied):
         flat = assemble([(by_coord[(k, p, t)]["owned"], by_coord[(k, p, t)]["grad_shard"]) for k in range(dp)])
         grads = flat_to_params(flat, r["index"])
         assert set(grads) == set(r["params"])
-        for name, (tp_dim, parts) in r["meta"].items():
+        for name, (tp_dim, parts, kv) in r["meta"].items():
             full = ref_name(name, r["start"], tied)
-            want = local_slice(ref["grads"][full], tp_dim, parts, tp, t)
+            want = local_slice(ref["grads"][full], tp_dim, parts, tp, t, kv)
             assert rel_err(grads[name], want) <= 1e-5, (name, r["coords"], rel_err(grads[name], want))
-            want = local_slice(ref["params"][full], tp_dim, parts, tp, t)
-            init = local_slice(ref["init"][full], tp_dim, parts, tp, t)
+            want = local_slice(ref["params"][full], tp_dim, parts, tp, t, kv)
+            init = local_slice(ref["init"][full], tp_dim, parts, tp, t, kv)
             assert rel_err(r["params"][name], want) <= 1e-5, (name, r["coords"], rel_err(r["params"][name], want))
             assert rel_err(want, init) > 1e-4, name  # the steps moved it: the comparison can fail
-            want = local_slice(ref["exp_avg"][full], tp_dim, parts, tp, t)  # Adam's first moment, whole over DP
+            want = local_slice(ref["exp_avg"][full], tp_dim, parts, tp, t, kv)  # Adam's first moment, whole over DP
             assert rel_err(r["exp_avg"][name], want) <= 1e-4, (name, r["coords"], rel_err(r["exp_avg"][name], want))
     if tied and pp > 1:  # the two copies of the tied embedding stayed equal
         for t in range(tp):
@@ -292,12 +299,14 @@ def check_split(path, batch, results):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    fams = {f for f, _, _ in TP_CASES_2 + TP_CASES_4}
+    fams = {f for f, _, _ in TP_CASES_2 + TP_CASES_4} - {"qwen2_kv1"}
     heavy_head = {"qwen2_tied": {"intermediate_size": 16}}  # head = 1.13 layers: pp=2 splits 4 layers 3 + 1
     out = {f: helpers.make_checkpoint(str(tmp_path_factory.mktemp(f)), f, with_tokenizer=False,
                                       **heavy_head.get(f, {})) for f in fams}
     out["qwen3_odd"] = helpers.make_checkpoint(str(tmp_path_factory.mktemp("qwen3_odd")), "qwen3",
                                                with_tokenizer=False, hidden_size=63)
+    out["qwen2_kv1"] = helpers.make_checkpoint(str(tmp_path_factory.mktemp("qwen2_kv1")), "qwen2",
+                                               with_tokenizer=False, num_key_value_heads=1)
     return out
 
 
@@ -457,7 +466,8 @@ def test_invalid_layouts_fail_early(tmp_path):
     cfg = ModelConfig.from_dir(helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False))
     with pytest.raises(ValueError, match="world size 3 is not divisible by tp\\*pp = 2\\*1"):
         validate_layout(cfg, 2, 1, 3)
-    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp=8.*valid tp sizes.*\\[1, 2\\]"):
+    heads = "num_attention_heads=4 is not divisible by tp=8.*valid tp sizes.*\\[1, 2, 4\\]"  # 4: 2 KV heads replicated
+    with pytest.raises(ValueError, match=heads):
         validate_layout(cfg, 8, 1, 8)
     with pytest.raises(ValueError, match="pp=5 exceeds num_hidden_layers=4"):
         validate_layout(cfg, 1, 5, 5)

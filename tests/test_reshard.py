@@ -127,12 +127,17 @@ def _greedy_tp(gm, p, new):
     return seq[len(p):]
 
 
-def slice_full(full, names, dim, tp, r):
-    """This TP rank's shard, sliced by hand: slice r of tp of every fused piece, concatenated."""
+def shards(name, tp, kv_heads):
+    """How many distinct TP shards tensor `name` has: tp, or the KV head count when that is smaller (replicated)."""
+    return min(tp, kv_heads) if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) else tp
+
+
+def slice_full(full, names, dim, tp, r, kv_heads):
+    """This TP rank's shard, sliced by hand: slice r of tp of every fused piece, concatenated; of a piece with c < tp
+    shards (KV heads), slice r * c // tp of c, which tp / c neighbouring ranks share."""
     if dim is None:
         return full[names[0]]
-    return torch.cat([full[n].narrow(dim, r * full[n].shape[dim] // tp, full[n].shape[dim] // tp)
-                      for n in names], dim)
+    return torch.cat([full[n].chunk(c := shards(n, tp, kv_heads), dim)[r * c // tp] for n in names], dim)
 
 
 def held_bytes(*models):
@@ -163,7 +168,7 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
     lay = make_layout(tp, pp)
     model = load_model(ckpt, lay)
     full = load_file(os.path.join(ckpt, "model.safetensors"))
-    out = {}
+    out, kv = {}, model.cfg.num_kv_heads
     for tp_g in tp_gs:
         opt = CountingOptimizer() if tp_g == tp_gs[0] else ShardedAdamW(model, lay)
         opt_before = None if isinstance(opt, CountingOptimizer) else [t.clone() for t in opt._state()]
@@ -182,7 +187,7 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
                     assert all(t.untyped_storage().nbytes() == 0 for t in (*opt._state(), opt.grad_buffer))
                 assert (gm is model) == (tp_g == tp and pp == 1)
                 for name, p in gm.named_parameters():  # the generation shard, exactly
-                    assert torch.equal(p, slice_full(full, gm.hf_names(name), p.tp_dim, tp_g, gl.tp_rank)), name
+                    assert torch.equal(p, slice_full(full, gm.hf_names(name), p.tp_dim, tp_g, gl.tp_rank, kv)), name
                 draw = torch.rand(4)
                 if round_ == 0:
                     with torch.no_grad():
@@ -209,7 +214,7 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
                    train_bytes=sum(p.numel() * 4 for n, p in model.named_parameters()
                                    if not (n.startswith("lm_head") and pp > 1 and model.cfg.tie_word_embeddings)))
         out[tp_g] = res
-    if (tp, pp) == (2, 1):
+    if (tp, pp) in ((2, 1), (4, 1)):
         _checkpoint_into_other_layout(rank, model, lay, ckpt, full, work, out)
     if (tp, pp) == (2, 2):
         _export_from_tp2_pp2(rank, model, lay, ckpt, seqs, work, out)
@@ -227,18 +232,18 @@ def _write_meta(lay, model, ck, ckpt):
 
 
 def _checkpoint_into_other_layout(rank, model, lay, ckpt, full, work, out):
-    ck = os.path.join(work, "ck_tp2")
+    ck = os.path.join(work, f"ck_tp{lay.tp}")
     os.makedirs(ck, exist_ok=True)
     reshard.save_model_shard(model, lay, ck)
     _write_meta(lay, model, ck, ckpt)
     lay2 = make_layout(1, 2)  # pp=2, dp=2 over the same ranks
     m2 = load_model(ckpt, lay2, random_init=True, seed=9)
     assert not torch.equal(m2.layers[0].mlp.down_proj.weight, slice_full(
-        full, m2.hf_names("layers.0.mlp.down_proj.weight"), 1, 1, 0))
+        full, m2.hf_names("layers.0.mlp.down_proj.weight"), 1, 1, 0, 1))
     reshard.load_into(m2, ck)
     for name, p in m2.named_parameters():
-        assert torch.equal(p, slice_full(full, m2.hf_names(name), p.tp_dim, lay2.tp, lay2.tp_rank)), name
-    out["ck_tp2"] = ck
+        assert torch.equal(p, slice_full(full, m2.hf_names(name), p.tp_dim, lay2.tp, lay2.tp_rank, 1)), name
+    out["ck"] = ck
 
 
 def _export_from_tp2_pp2(rank, model, lay, ckpt, seqs, work, out):
@@ -265,7 +270,8 @@ def _export_from_tp2_pp2(rank, model, lay, ckpt, seqs, work, out):
 HEADS8 = dict(num_attention_heads=8, num_key_value_heads=4)
 CASES = {  # training (tp, pp) on 4 ranks: family, config overrides, generation tp sizes
     "tp2_dp2": (2, 1, "qwen2", HEADS8, (1, 2)),
-    "dp4": (1, 1, "mistral", HEADS8, (2, 4)),
+    "dp4": (1, 1, "mistral", {}, (2, 4)),  # 2 KV heads: tp_g = 4 replicates them
+    "tp4_kv2": (4, 1, "qwen2", {}, (1, 2, 4)),  # 2 KV heads replicated in training, merged to one copy
     "pp2_dp2": (1, 2, "qwen3", {}, (1, 2)),
     "tp2_pp2": (2, 2, "qwen2_tied", {"intermediate_size": 16}, (1, 2)),  # head = 1.13 layers: stages of 3 + 1
     "tp4": (4, 1, "llama", HEADS8, (1, 2, 4)),
@@ -305,7 +311,8 @@ def test_reshard_layouts(case, tmp_path):
             assert len({tuple(per[grp[0]]["draw0"].tolist()) for grp in groups}) == len(groups)
         # memory: the generation shard computed from the checkpoint, the released training shard measured
         def shard_bytes(names):  # of the generation shards of these tensors
-            return sum(full[n].numel() * 4 // (1 if "norm" in n else tp_g) for n in names)
+            kv = ref.cfg.num_kv_heads
+            return sum(full[n].numel() * 4 // (1 if "norm" in n else shards(n, tp_g, kv)) for n in names)
 
         gen_bytes = shard_bytes(n for n in full if not (n == "lm_head.weight" and "tied" in family))
         # stages of different lengths (a heavy LM head) pad each layer bucket to the longest stage's part
@@ -328,8 +335,8 @@ def test_reshard_layouts(case, tmp_path):
                 assert s["buckets"] > 1
             else:
                 assert s["peak_extra_bytes"] <= gen_bytes + s["pad_bytes"]
-    if case == "tp2_dp2":
-        assert load_full_state_equal(res[0]["ck_tp2"], full)
+    if case in ("tp2_dp2", "tp4_kv2"):
+        assert load_full_state_equal(res[0]["ck"], full)
     if case == "tp2_pp2":
         _check_export(res, str(tmp_path))
 
