@@ -249,19 +249,20 @@ CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32
            "trainer.device": ("auto", "cpu", "cuda")}
 
 
-def _build(cls, d: dict, prefix: str, source: str):
-    """dict -> dataclass, naming the nearest valid key for an unknown one and checking types."""
+def _build(cls, d: dict, prefix: str, source):
+    """dict -> dataclass, naming the nearest valid key for an unknown one and checking types; source(key) names
+    where a key's value came from (the YAML file or an override)."""
     fields, kwargs = [f.name for f in dataclasses.fields(cls)], {}
     for key, val in d.items():
         path = prefix + key
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
-            raise KeyError(f"{source}: unknown config key {path!r}{hint}")
+            raise KeyError(f"{source(path)}: unknown config key {path!r}{hint}")
         default = getattr(cls(), key)
         if dataclasses.is_dataclass(default):
             if not isinstance(val, dict):
-                raise TypeError(f"{source}: {path} must be a mapping, got {val!r}")
+                raise TypeError(f"{source(path)}: {path} must be a mapping, got {val!r}")
             kwargs[key] = _build(type(default), val, path + ".", source)
             continue
         if isinstance(default, float) and isinstance(val, (int, str)) and not isinstance(val, bool):
@@ -271,9 +272,9 @@ def _build(cls, d: dict, prefix: str, source: str):
             val = [val]
         if not isinstance(val, type(default)) or isinstance(val, bool) != isinstance(default, bool):
             want = "true or false" if isinstance(default, bool) else type(default).__name__
-            raise TypeError(f"{source}: {path} must be {want}, got {val!r}")
+            raise TypeError(f"{source(path)}: {path} must be {want}, got {val!r}")
         if path in CHOICES and val not in CHOICES[path]:
-            raise ValueError(f"{source}: {path}={val!r} is not one of {list(CHOICES[path])}")
+            raise ValueError(f"{source(path)}: {path}={val!r} is not one of {list(CHOICES[path])}")
         kwargs[key] = val
     return cls(**kwargs)
 
@@ -285,8 +286,7 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
-        raise TypeError(f"{path}: the config must be a mapping of sections (data, actor, ...), "
-                        f"got {type(raw).__name__}")
+        raise TypeError(f"{path}: a config must be a mapping of sections (data, actor, ...), got {type(raw).__name__}")
     for ov in overrides:
         if "=" not in ov:
             raise ValueError(f"override {ov!r} must look like key.path=value")
@@ -297,33 +297,39 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
             if not isinstance(node, dict):
                 raise TypeError(f"override {ov!r}: {p} is not a mapping")
         node[last] = yaml.safe_load(val)
-    cfg = _build(Config, raw, "", path)
+
+    def src(*keys: str) -> str:  # an error names the (last) override that set one of these keys, else the file
+        hits = [ov for ov in overrides for key in keys  # ov sets `key`, a key under it, or a section holding it
+                if (key + ".").startswith(k := ov.split("=")[0] + ".") or k.startswith(key + ".")]
+        return f"override {hits[-1]!r}" if hits else path
+    cfg = _build(Config, raw, "", src)
     d, a = cfg.data, cfg.actor  # checks across keys
     for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
         if not val:
-            raise ValueError(f"{path}: {key} is required")
+            raise ValueError(f"{src(key)}: {key} is required")
     for key in POSITIVE:
         if (val := functools.reduce(getattr, key.split("."), cfg)) < 1:
-            raise ValueError(f"{path}: {key}={val} must be >= 1")
+            raise ValueError(f"{src(key)}: {key}={val} must be >= 1")
     for key, o in (("actor.optim.betas", a.optim.betas), ("critic.optim.betas", cfg.critic.optim.betas)):
         if len(o) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o):
-            raise ValueError(f"{path}: {key}={o} must be two numbers in [0, 1) (beta1, beta2)")
+            raise ValueError(f"{src(key)}: {key}={o} must be two numbers in [0, 1) (beta1, beta2)")
     if bad := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
-        raise ValueError(f"{path}: trainer.logger has unknown sink(s) {bad}; valid: {list(LOGGERS)}")
-    ob = cfg.algorithm.overlong_buffer
-    if ob.enable and not 0 < ob.len <= d.max_response_length:
-        raise ValueError(f"{path}: algorithm.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
-                         f"{d.max_response_length}]")
+        raise ValueError(f"{src('trainer.logger')}: trainer.logger has unknown sink(s) {bad}; valid: {list(LOGGERS)}")
+    if (ob := cfg.algorithm.overlong_buffer).enable and not 0 < ob.len <= d.max_response_length:
+        raise ValueError(f"{src('algorithm.overlong_buffer', 'data.max_response_length')}: algorithm.overlong_buffer"
+                         f".len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
     if d.train_batch_size % a.ppo_mini_batch_size:
-        raise ValueError(f"{path}: data.train_batch_size={d.train_batch_size} must be a multiple of "
-                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
-        raise ValueError(f"{path}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the "
-                         f"rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
-    if cfg.algorithm.rollout_is.bypass_mode and cfg.algorithm.rollout_is.enable:  # the weights would all be 1
-        raise ValueError(f"{path}: algorithm.rollout_is.enable and .bypass_mode exclude each other (pi_old=pi_rollout)")
-    if cfg.rollout.temperature <= 0:
-        raise ValueError(f"{path}: rollout.temperature must be > 0 for training (log-probs divide by it)")
+        raise ValueError(f"{src('data.train_batch_size', 'actor.ppo_mini_batch_size')}: data.train_batch_size="
+                         f"{d.train_batch_size} must be a multiple of actor.ppo_mini_batch_size="
+                         f"{a.ppo_mini_batch_size}")
+    if (est := cfg.algorithm.adv_estimator) in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
+        raise ValueError(f"{src('algorithm.adv_estimator', 'rollout.n')}: algorithm.adv_estimator={est} compares "
+                         f"the rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
+    if (ris := cfg.algorithm.rollout_is).bypass_mode and ris.enable:  # pi_old = pi_rollout: the weights would be 1
+        raise ValueError(f"{src('algorithm.rollout_is')}: algorithm.rollout_is.enable and .bypass_mode exclude "
+                         "each other")
+    if cfg.rollout.temperature <= 0:  # the log-probs divide by it
+        raise ValueError(f"{src('rollout.temperature')}: rollout.temperature must be > 0 for training")
     return cfg
 
 
@@ -337,9 +343,8 @@ class Role:
     optim: ShardedAdamW | None
 
 
-def sum_dicts(dicts: list[dict]) -> dict[str, float]:
-    keys = dict.fromkeys(k for d in dicts for k in d)  # in first-seen order
-    return {k: sum(float(d[k]) for d in dicts if k in d) for k in keys}
+def sum_dicts(dicts: list[dict]) -> dict[str, float]:  # keys in first-seen order
+    return {k: sum(float(d[k]) for d in dicts if k in d) for k in dict.fromkeys(k for d in dicts for k in d)}
 
 
 def barrier() -> None:
@@ -688,9 +693,8 @@ class Trainer:
                   "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["timing_s/step"] / self.world})
         # actor update FLOPs: 6N per token (forward + backward) + causal attention, per PPO epoch
         attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float(((resp_len + plen) ** 2).sum()) / 2
-        flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs
-        t_update = max(timing["timing_s/update_actor"], 1e-9)
-        m["perf/mfu/actor"] = flops / t_update / self.world / (cfg.trainer.peak_tflops * 1e12)
+        flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs / self.world  # a GPU's
+        m["perf/mfu/actor"] = flops / max(timing["timing_s/update_actor"], 1e-9) / (cfg.trainer.peak_tflops * 1e12)
         if self.device.type == "cuda":
             m["perf/max_memory_allocated_gb"] = max(timing.get("perf/max_memory_allocated_gb", 0.0),
                                                     torch.cuda.max_memory_allocated(self.device) / 2 ** 30)
