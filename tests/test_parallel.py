@@ -21,8 +21,8 @@ HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 MAX_NORM = 0.05
 # tp=2, pp=2, dp=2; tp=2 over one KV head (bias): replicated KV heads
 TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1), ("qwen2_kv1", 2, 1)]
-# tp2 x dp2, tp2 x pp2, pp2 x dp2; tp=4 over 2 KV heads with q/k norms (their TP-partial grads)
-TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2), ("qwen3", 4, 1)]
+# tp2 x dp2, tp2 x pp2, pp2 x dp2; tp=4 over 2 KV heads with q/k norms (their TP-partial grads), tp2 x pp2 over one
+TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2), ("qwen3", 4, 1), ("qwen2_kv1", 2, 2)]
 BUCKET = 6000  # elements: ~30 buckets of "qwen3_odd", whose odd hidden size (63) makes some need padding
 
 
