@@ -272,6 +272,7 @@ CASES = {  # training (tp, pp) on 4 ranks: family, config overrides, generation 
     "tp2_dp2": (2, 1, "qwen2", HEADS8, (1, 2)),
     "dp4": (1, 1, "mistral", {}, (2, 4)),  # 2 KV heads: tp_g = 4 replicates them
     "tp4_kv2": (4, 1, "qwen2", {}, (1, 2, 4)),  # 2 KV heads replicated in training, merged to one copy
+    "tp4_kv1": (4, 1, "qwen3", {"num_key_value_heads": 1}, (2,)),  # replicated in both layouts
     "pp2_dp2": (1, 2, "qwen3", {}, (1, 2)),
     "tp2_pp2": (2, 2, "qwen2_tied", {"intermediate_size": 16}, (1, 2)),  # head = 1.13 layers: stages of 3 + 1
     "tp4": (4, 1, "llama", HEADS8, (1, 2, 4)),
