@@ -102,7 +102,7 @@ def main():
     out = []
     for tp, pp in layouts:
         for tp_g in valid_generation_tp(world, tp, pp):
-            if (tp_g == tp and pp == 1) or cfg.num_kv_heads % tp_g:
+            if tp_g == tp and pp == 1:  # nothing moves (tp_g > num_kv_heads replicates the KV heads)
                 continue
             rows = bench(cfg, tp, pp, tp_g, rounds, dev)
             worst = max(rows, key=lambda x: x["enter_ms"])
