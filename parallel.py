@@ -290,7 +290,7 @@ class ColumnParallelLinear(nn.Module):
         parts, tp = parts or [out_features], layout.tp
         chunks = [tp_chunks(n, tp, unit) for n in parts]
         assert sum(parts) == out_features and all(n % (unit * c) == 0 for n, c in zip(parts, chunks))
-        at = [0, *itertools.accumulate(n // c for n, c in zip(parts, chunks))]  # local rows of each piece
+        at = [0, *itertools.accumulate(n // c for n, c in zip(parts, chunks))]  # where each local piece starts
         self.group = layout.tp_group
         self.replicas = [(slice(a, b), layout.tp_rank * c // tp, c) for a, b, c in zip(at, at[1:], chunks) if c < tp]
         self.weight = _param((at[-1], in_features), 0, parts, dtype, device, unit=unit)
