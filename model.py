@@ -569,8 +569,9 @@ class Transformer(nn.Module):
             for j, hf in enumerate(self.hf_names(name)):  # piece j in full; this rank reads its rows along d
                 shape = [p.tp_parts[j] if k == d else size for k, size in enumerate(p.shape)]
                 full = full_tensor(name, j, hf, shape)
-                rows = None if d is None else tp_rows(shape[d], t, r, p.tp_unit)
-                pieces.append(full[:] if d is None else full[(slice(None),) * d + (rows,)])
+                if d is not None:
+                    full = full[(slice(None),) * d + (tp_rows(shape[d], t, r, p.tp_unit),)]
+                pieces.append(full[:])
             with torch.no_grad():
                 p.copy_(torch.cat(pieces, dim=d or 0))
 

@@ -114,8 +114,8 @@ def _sub(t: torch.Tensor, dim, parts: list[int] | None, num: int, idx: int, unit
     _sub(full, dim, tp_parts, tp, tp_rank, tp_unit)."""
     if dim is None or num == 1:
         return t
-    rows = [tp_rows(x.shape[dim], num, idx, unit) for x in t.split(parts, dim)]
-    pieces = [x.narrow(dim, r.start, r.stop - r.start) for x, r in zip(t.split(parts, dim), rows)]
+    pieces = [x.narrow(dim, (r := tp_rows(x.shape[dim], num, idx, unit)).start, r.stop - r.start)
+              for x in t.split(parts, dim)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
