@@ -112,8 +112,11 @@ class Layout:
 
 
 def _new_group(ranks: list[int]):
-    # collective over the whole world: every rank creates every group, in the same order, even those it is not in
-    return dist.new_group(ranks) if len(ranks) > 1 else None
+    # collective over the whole world: every rank creates every group, in the same order, even those it is not in.
+    # A rank's group rank is its place in `ranks`, which need not be ascending (a generation TP group, reshard.py)
+    if len(ranks) < 2:
+        return None
+    return dist.new_group(ranks) if ranks == sorted(ranks) else dist.new_group(ranks, sort_ranks=False)
 
 
 def make_layout(tp: int = 1, pp: int = 1) -> Layout:
@@ -378,7 +381,9 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, temperature):
-        n = logits.shape[-1]
+        n, tp = logits.shape[-1], 1 if group is None else dist.get_world_size(group)
+        # an id outside the vocabulary would be owned by no rank and score -lse: fail instead (no host sync)
+        torch._assert_async(((targets >= 0) & (targets < n * tp)).all(), f"targets must be token ids in [0, {n * tp})")
         local = targets - (0 if group is None else dist.get_rank(group)) * n
         own, local = (local >= 0) & (local < n), local.clamp(0, n - 1)
         m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)

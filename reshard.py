@@ -18,9 +18,10 @@ generation TP group is its stage's ranks with the same t % k, its rank there t /
     micro-DP groups     [0 1] [2 3] [4 5] [6 7]     rank 2 holds slice 2, gathers 3 -> slices 2-3
     generation TP       [0 2] [1 3] [4 6] [5 7]     = generation shard 1 of group [0 2]
 
-tp_g > tp needs tp = 1 (from tp > 1 the generation TP rank could not follow the global rank order that torch's groups
-impose and vocab-parallel sampling uses): replicas d0*n .. d0*n+n-1 (n = tp_g) form a generation TP group, replica d
-keeping slice d % n of its shard. With pp > 1 a rank also gathers other stages' layers. Fused parameters follow
+With tp_g > tp a rank narrows its shard instead: n = tp_g / tp training replicas d0*n .. d0*n+n-1 form one generation
+replica, the rank of replica d keeping part d % n of its TP slice t, which is generation slice t*n + d % n. So a
+generation TP group lists its ranks in slice order, not ascending (W=4, tp=2, dp=2, tp_g=4: [0 2 1 3]). With pp > 1 a
+rank also gathers other stages' layers. Fused parameters follow
 `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks merge per piece, on head boundaries; of a
 replicated KV head (tp > num_kv_heads) the merge keeps one copy.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -63,26 +65,24 @@ def _split(tp: int, tp_g: int) -> tuple[int, int]:
 
 def valid_generation_tp(world: int, tp: int, pp: int) -> list[int]:
     dp = world // (tp * pp)
-    return [g for g in range(1, world + 1) if world % g == 0 and (tp % g == 0 or (tp == 1 and dp % g == 0))]
+    return [g for g in range(1, world + 1) if tp % g == 0 or (g % tp == 0 and dp % (g // tp) == 0)]
 
 
 def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[list[int]], list[list[int]]]:
     """(micro-DP groups, generation TP groups) for the training layout (tp, pp, dp = world / (tp*pp)).
-    Generation TP group r is replica r (its dp rank), listed in TP-rank order (which is ascending)."""
+    Generation TP group r is replica r (its dp rank), listed in generation TP-rank order."""
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if tp_g not in (valid := valid_generation_tp(world, tp, pp)):
         raise ValueError(f"rollout tp={tp_g} does not fit training tp={tp}, pp={pp} on {world} ranks: it must "
-                         f"divide tp, or (with tp=1) divide dp={world // (tp * pp)}; valid: {valid}")
+                         f"divide tp, or be tp times a divisor of dp={world // (tp * pp)}; valid: {valid}")
     k, n = _split(tp, tp_g)
     micro, gen = {}, {}
     for rank in range(world):
         d, p, t = rank // (tp * pp), rank // tp % pp, rank % tp
         micro.setdefault((d, t // k), []).append(rank)
         gen.setdefault(((d // n) * pp + p) * k + t % k, {})[(t // k) * n + d % n] = rank
-    gen = [[gen[r][g] for g in range(tp_g)] for r in range(len(gen))]
-    assert all(g == sorted(g) for g in gen)
-    return sorted(micro.values()), gen
+    return sorted(micro.values()), [[gen[r][g] for g in range(tp_g)] for r in range(len(gen))]
 
 
 def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
@@ -92,6 +92,9 @@ def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[in
     if tp_g == train.tp and train.pp == 1:
         return train, None, [rank]
     k, n = _split(train.tp, tp_g)
+    if n > 1 and train.tp > 1 and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        raise RuntimeError(f"rollout tp={tp_g} above training tp={train.tp} orders its TP groups' ranks by slice "
+                           f"({gen[0]}), which needs torch >= 2.12 (new_group's sort_ranks); this is {torch.__version__}")
 
     def member(groups, new_group=_new_group):  # create every group; return this rank's (ranks, group)
         made = [(ranks, new_group(ranks)) for ranks in groups]
@@ -265,10 +268,10 @@ class Resharder:
             mine = self.buckets[lay.pp_rank][b]
             released = []  # (param, entry) released until exit; gathered views keep their bucket alive
             self._held.append(released)
-            if m == 1:  # tp_g > tp = 1 and pp == 1: narrow, no communication
+            if m == 1:  # tp_g > tp and pp == 1: narrow, no communication
                 for e in mine:
-                    data = _sub(self.model.get_parameter(e.train).detach(), e.tp_dim, e.parts, n, lay.dp_rank % n,
-                                e.unit)
+                    data = _sub(self.model.get_parameter(e.train).detach(), e.tp_dim, e.local(lay.tp), n,
+                                lay.dp_rank % n, e.unit)
                     self._account(data.nbytes if e.parts and len(e.parts) > 1 else 0)  # fused: a concatenated copy
                     self._set(e.gen, data)
                 continue
@@ -279,7 +282,7 @@ class Resharder:
                 for e in mine:
                     p = self.model.get_parameter(e.train)
                     slots[me, e.offset:e.offset + e.shape.numel()].view(e.shape).copy_(  # unnamed: freed by the release
-                        _sub(p.detach(), e.tp_dim, e.parts, n, lay.dp_rank % n, e.unit))
+                        _sub(p.detach(), e.tp_dim, e.local(lay.tp), n, lay.dp_rank % n, e.unit))
                     if n == 1:  # its slot holds this shard now: release the training copy until exit
                         self._account(-p.nbytes)
                         self.stats["released_bytes"] += p.nbytes

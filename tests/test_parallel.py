@@ -339,6 +339,9 @@ def test_vocab_parallel_logprobs_tp1():
     check_vocab([_vocab_case(*args)], *args)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprobs(args[0], args[1], None, temperature=0.0)
+    for bad in (-1, V):
+        with pytest.raises(RuntimeError, match=rf"targets must be token ids in \[0, {V}\)"):
+            vocab_parallel_logprobs(args[0], args[1].clone().fill_(bad), None)
     empty, _ = vocab_parallel_logprobs(torch.zeros(0, V), torch.zeros(0, dtype=torch.long), None)
     assert empty.shape == (0,)
 

@@ -34,6 +34,10 @@ def test_groups_worked_by_hand():
     assert generation_groups(4, 1, 1, 2) == ([[0], [1], [2], [3]], [[0, 1], [2, 3]])
     # pp=2 dp=2 -> tp_g=2: each rank narrows its stage and gathers the other stage's half from its PP peer
     assert generation_groups(4, 1, 2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    # tp=2 dp=2 -> tp_g=4: rank (d, t) keeps half d of slice t, generation slice 2t + d: group ranks in slice order
+    assert generation_groups(4, 2, 1, 4) == ([[0], [1], [2], [3]], [[0, 2, 1, 3]])
+    # tp=2 pp=2 dp=2 -> tp_g=4: the same over two replicas' stage-0 and stage-1 ranks, gathering the other stage
+    assert generation_groups(8, 2, 2, 4) == ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4, 1, 5], [2, 6, 3, 7]])
 
 
 def _holds(tp, parts, pp, p, t, F):
@@ -50,7 +54,7 @@ def test_groups_satisfy_the_rule(world):
                 micro, gen = generation_groups(world, tp, pp, tp_g)
                 assert sorted(r for g in micro for r in g) == list(range(world))
                 assert sorted(r for g in gen for r in g) == list(range(world))
-                assert all(len(g) == tp_g and g == sorted(g) for g in gen) and len(gen) == world // tp_g
+                assert all(len(g) == tp_g for g in gen) and len(gen) == world // tp_g
                 F = max(tp, tp_g)
                 gen_of = {r: _holds(tp_g, tp_g, pp, None, g.index(r), F) for g in gen for r in g}
                 train_of = {r: _holds(tp, tp, pp, r // tp % pp, r % tp, F) for r in range(world)}
@@ -61,19 +65,20 @@ def test_groups_satisfy_the_rule(world):
                     if tp_g <= tp:
                         assert len(g) == tp * pp // tp_g and union == gen_of[g[0]]
                         assert all(train_of[r] <= gen_of[r] for r in g)  # the training shard is part of it
-                    else:  # tp = 1: a replica's stages, each rank keeping slice d % tp_g of its replica d
-                        d = g[0] // pp
-                        assert g == list(range(d * pp, (d + 1) * pp)) and gen_of[d * pp] == {(s, d % tp_g)
-                                                                                           for s in range(pp)}
+                    else:  # one TP slice t of replica d, all stages, each keeping part d % n of slice t
+                        d, t, n = g[0] // (tp * pp), g[0] % tp, tp_g // tp
+                        assert g == [d * tp * pp + s * tp + t for s in range(pp)]
+                        assert gen_of[g[0]] == {(s, t * n + d % n) for s in range(pp)}
+                        assert all({x for x in gen_of[r] if x[0] == r // tp % pp} <= train_of[r] for r in g)
 
 
 def test_groups_errors():
-    with pytest.raises(ValueError, match=r"rollout tp=3 .* valid: \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"rollout tp=3 .* valid: \[1, 2, 4\]"):
         generation_groups(4, 2, 1, 3)
-    with pytest.raises(ValueError, match=r"divide dp=2; valid: \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"divisor of dp=2; valid: \[1, 2\]"):
         generation_groups(4, 1, 2, 4)
-    with pytest.raises(ValueError, match=r"valid: \[1, 2\]"):  # tp_g > tp > 1 would need ranks out of order
-        generation_groups(4, 2, 1, 4)
+    with pytest.raises(ValueError, match=r"tp times a divisor of dp=2; valid: \[1, 2, 4\]"):
+        generation_groups(8, 2, 2, 8)
 
 
 def test_dispatch_shares_are_contiguous_and_balanced():
@@ -268,15 +273,18 @@ def _export_from_tp2_pp2(rank, model, lay, ckpt, seqs, work, out):
 # ----------------------------------------------------------------------------- the distributed test
 
 HEADS8 = dict(num_attention_heads=8, num_key_value_heads=4)
-CASES = {  # training (tp, pp) on 4 ranks: family, config overrides, generation tp sizes
-    "tp2_dp2": (2, 1, "qwen2", HEADS8, (1, 2)),
+CASES = {  # training (tp, pp) on 4 ranks (or WORLD's): family, config overrides, generation tp sizes
+    "tp2_dp2": (2, 1, "qwen2", HEADS8, (1, 2, 4)),  # tp_g = 4: generation TP ranks not ascending
     "dp4": (1, 1, "mistral", {}, (2, 4)),  # 2 KV heads: tp_g = 4 replicates them
     "tp4_kv2": (4, 1, "qwen2", {}, (1, 2, 4)),  # 2 KV heads replicated in training, merged to one copy
     "tp4_kv1": (4, 1, "qwen3", {"num_key_value_heads": 1}, (2,)),  # replicated in both layouts
     "pp2_dp2": (1, 2, "qwen3", {}, (1, 2)),
     "tp2_pp2": (2, 2, "qwen2_tied", {"intermediate_size": 16}, (1, 2)),  # head = 1.13 layers: stages of 3 + 1
     "tp4": (4, 1, "llama", HEADS8, (1, 2, 4)),
+    # on 8 ranks: narrowing (tp_g > tp) and gathering the other stage at once; 2 KV heads replicated on 4 ranks
+    "tp2_pp2_dp2": (2, 2, "qwen2", {"intermediate_size": 16}, (4,)),
 }
+WORLD = {"tp2_pp2_dp2": 8}
 
 
 def rel_err(a, b):
@@ -294,7 +302,8 @@ def test_reshard_layouts(case, tmp_path):
     with torch.no_grad():
         want = ref.logits(ref.packed(*packed(seqs)))
     want_tokens = greedy_reference(ref, prompts, 6)
-    res = helpers.run_distributed(_body, 4, ckpt, tp, pp, tp_gs, seqs, prompts, 6, str(tmp_path))
+    world = WORLD.get(case, 4)
+    res = helpers.run_distributed(_body, world, ckpt, tp, pp, tp_gs, seqs, prompts, 6, str(tmp_path))
     full = load_file(os.path.join(ckpt, "model.safetensors"))
     for tp_g in tp_gs:
         per = [r[tp_g] for r in res]
@@ -303,7 +312,7 @@ def test_reshard_layouts(case, tmp_path):
             assert r["tokens"] == want_tokens, (tp_g, r["how"])
             assert r["how"] != "rollout" or r["order"] == [(i, 0) for i in range(len(prompts))]
         groups = {tuple(r["gen_ranks"]) for r in per}
-        assert len(groups) == 4 // tp_g
+        assert len(groups) == world // tp_g
         for grp in groups:  # one generation RNG stream per generation TP group, carried over between rounds
             assert all(torch.equal(per[q]["draw0"], per[grp[0]]["draw0"]) for q in grp)
             assert all(torch.equal(per[q]["draw1"], per[grp[0]]["draw1"]) for q in grp)
@@ -319,7 +328,7 @@ def test_reshard_layouts(case, tmp_path):
         # stages of different lengths (a heavy LM head) pad each layer bucket to the longest stage's part
         uneven = pp * max(b - a for a, b in (stage_layers(ref.cfg.num_layers, pp, p, ref.cfg.head_cost)
                                              for p in range(pp))) - ref.cfg.num_layers
-        assert (uneven > 0) == (case == "tp2_pp2")
+        assert (uneven > 0) == case.startswith("tp2_pp2")
         pad_allowed = 0.25 * gen_bytes + uneven * shard_bytes(n for n in full if n.startswith("model.layers.0."))
         for r in per:
             s, extra = r["stats"], r["held"] - r["held0"]
