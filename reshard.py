@@ -21,9 +21,9 @@ generation TP group is its stage's ranks with the same t % k, its rank there t /
 With tp_g > tp a rank narrows its shard instead: n = tp_g / tp training replicas d0*n .. d0*n+n-1 form one generation
 replica, the rank of replica d keeping part d % n of its TP slice t, which is generation slice t*n + d % n. So a
 generation TP group lists its ranks in slice order, not ascending (W=4, tp=2, dp=2, tp_g=4: [0 2 1 3]). With pp > 1 a
-rank also gathers other stages' layers. Fused parameters follow
-`p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k gathered blocks merge per piece, on head boundaries; of a
-replicated KV head (tp > num_kv_heads) the merge keeps one copy.
+rank also gathers other stages' layers. Fused parameters follow `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k
+gathered blocks merge per piece, on head boundaries; of a replicated KV head (tp > num_kv_heads) the merge keeps one
+copy.
 
 Memory
 ------
@@ -77,12 +77,21 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
         raise ValueError(f"rollout tp={tp_g} does not fit training tp={tp}, pp={pp} on {world} ranks: it must "
                          f"divide tp, or be tp times a divisor of dp={world // (tp * pp)}; valid: {valid}")
     k, n = _split(tp, tp_g)
+    if n > 1 and tp > 1 and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        raise RuntimeError(f"rollout tp={tp_g} above training tp={tp} lists its TP groups' ranks in slice order, not "
+                           f"ascending, which needs torch >= 2.12 (new_group's sort_ranks); this is {torch.__version__}")
     micro, gen = {}, {}
     for rank in range(world):
         d, p, t = rank // (tp * pp), rank // tp % pp, rank % tp
         micro.setdefault((d, t // k), []).append(rank)
         gen.setdefault(((d // n) * pp + p) * k + t % k, {})[(t // k) * n + d % n] = rank
     return sorted(micro.values()), [[gen[r][g] for g in range(tp_g)] for r in range(len(gen))]
+
+
+def validate_generation_layout(cfg: ModelConfig, world: int, tp: int, pp: int, tp_g: int, name: str) -> None:
+    """Fail before anything is built when the generation tp does not fit the model or the training layout."""
+    validate_layout(cfg, tp_g, 1, world, name=name)
+    generation_groups(world, tp, pp, tp_g)
 
 
 def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
@@ -92,9 +101,6 @@ def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[in
     if tp_g == train.tp and train.pp == 1:
         return train, None, [rank]
     k, n = _split(train.tp, tp_g)
-    if n > 1 and train.tp > 1 and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
-        raise RuntimeError(f"rollout tp={tp_g} above training tp={train.tp} orders its TP groups' ranks by slice "
-                           f"({gen[0]}), which needs torch >= 2.12 (new_group's sort_ranks); this is {torch.__version__}")
 
     def member(groups, new_group=_new_group):  # create every group; return this rank's (ranks, group)
         made = [(ranks, new_group(ranks)) for ranks in groups]
@@ -176,7 +182,7 @@ class Resharder:
     def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizers=(), seed: int = 0,
                  bucket_bytes: int = 1 << 30):
         self.model, self.layout, self.optimizers = model, layout, list(offload_optimizers)
-        validate_layout(model.cfg, tp_g, 1, layout.world_size, name=f"rollout tp={tp_g}")
+        validate_generation_layout(model.cfg, layout.world_size, layout.tp, layout.pp, tp_g, f"rollout tp={tp_g}")
         self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
         self.c_me = layout.tp_rank % self.k  # this rank's block in a merge; a narrowing rank keeps slice dp_rank % n

@@ -60,7 +60,7 @@ from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipeline_forward_backward,
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
-                     save_model_shard)
+                     save_model_shard, validate_generation_layout)
 from rewards import load_reward_fn, score_batch
 from rollout import Generator, SamplingParams
 
@@ -480,7 +480,7 @@ class Trainer:
         a, p, d = cfg.actor, cfg.parallel, cfg.data
         self.mcfg = ModelConfig.from_dir(a.model_path)
         validate_layout(self.mcfg, p.train.tp, p.train.pp, self.world, name=a.model_path)
-        validate_layout(self.mcfg, p.rollout.tp, 1, self.world, name=a.model_path + " (parallel.rollout)")
+        validate_generation_layout(self.mcfg, self.world, p.train.tp, p.train.pp, p.rollout.tp, "parallel.rollout")
         self.layout = lay = make_layout(p.train.tp, p.train.pp)
         if d.train_batch_size % lay.dp:
             raise ValueError(f"data.train_batch_size={d.train_batch_size} is not divisible by dp={lay.dp}")

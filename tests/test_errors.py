@@ -1,8 +1,8 @@
 """Every user-facing bad input gives a clear error and leaves nothing half-written on disk.
 
 One table: each case builds a bad input, calls the public entry point a user would reach
-(train.load_config / train.main, parallel.validate_layout, model.ModelConfig.from_dir /
-model.load_model, data.load_tokenizer / data.PromptDataset / data.prepare_gsm8k,
+(train.load_config / train.main, parallel.validate_layout, reshard.validate_generation_layout,
+model.ModelConfig.from_dir / model.load_model, data.load_tokenizer / data.PromptDataset / data.prepare_gsm8k,
 rewards.load_reward_fn / rewards.score_batch, reshard.load_into / the reshard CLI) and checks
 the exception type and a regex on its message: the message must name what is wrong, where
 (the file, key or value) and what was expected. Cases with a `leftovers` check also assert
@@ -359,6 +359,10 @@ CASES = [
     Case("layout-pp-exceeds-layers", "pp=4 (2 layers) on 4 ranks",
          lambda env, tmp: validate_layout(_mcfg(env), 1, 4, 4, name="actor"), ValueError,
          r"actor: pp=4 exceeds num_hidden_layers=2; valid pp sizes for tp=1 and 4 ranks: \[1, 2\]"),
+    Case("layout-rollout-tp-does-not-fit", "rollout tp=4 from training tp=1, pp=2 on 4 ranks (dp=2)",
+         lambda env, tmp: reshard.validate_generation_layout(_mcfg(env), 4, 1, 2, 4, "parallel.rollout"), ValueError,
+         r"rollout tp=4 does not fit training tp=1, pp=2 on 4 ranks: it must divide tp, or be tp times a divisor "
+         r"of dp=2; valid: \[1, 2\]"),
 
     # --- model directory: model.ModelConfig.from_dir / model.load_model
     Case("model-missing-dir", "from_dir('nope/')",

@@ -72,13 +72,17 @@ def test_groups_satisfy_the_rule(world):
                         assert all({x for x in gen_of[r] if x[0] == r // tp % pp} <= train_of[r] for r in g)
 
 
-def test_groups_errors():
+def test_groups_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"rollout tp=3 .* valid: \[1, 2, 4\]"):
         generation_groups(4, 2, 1, 3)
     with pytest.raises(ValueError, match=r"divisor of dp=2; valid: \[1, 2\]"):
         generation_groups(4, 1, 2, 4)
     with pytest.raises(ValueError, match=r"tp times a divisor of dp=2; valid: \[1, 2, 4\]"):
         generation_groups(8, 2, 2, 8)
+    monkeypatch.setattr(reshard.dist, "new_group", lambda ranks=None: None)  # a torch without sort_ranks
+    with pytest.raises(RuntimeError, match=r"rollout tp=4 above training tp=2 .* needs torch >= 2\.12"):
+        generation_groups(4, 2, 1, 4)
+    generation_groups(4, 1, 1, 4)  # from tp = 1 the groups are ascending: any torch
 
 
 def test_dispatch_shares_are_contiguous_and_balanced():
