@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import itertools
 import json
 import math
@@ -315,6 +316,8 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
             raise ValueError(f"{src(key)}: {key}={o} must be two numbers in [0, 1) (beta1, beta2)")
     if bad := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ValueError(f"{src('trainer.logger')}: trainer.logger has unknown sink(s) {bad}; valid: {list(LOGGERS)}")
+    if "tensorboard" in cfg.trainer.logger and not importlib.util.find_spec("tensorboard"):  # not a dependency
+        raise ModuleNotFoundError(f"{src('trainer.logger')}: trainer.logger names tensorboard: pip install tensorboard")
     if (ob := cfg.algorithm.overlong_buffer).enable and not 0 < ob.len <= d.max_response_length:
         raise ValueError(f"{src('algorithm.overlong_buffer', 'data.max_response_length')}: algorithm.overlong_buffer"
                          f".len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
@@ -596,10 +599,8 @@ class Trainer:
                                self.cfg.actor.max_tokens_per_micro_batch, lay.dp, lay.dp_rank, self.device)
         if role.optim is not None:  # its offloaded Adam state comes back under these passes (inputs copied first)
             role.optim.prefetch()
-        role.model.eval()
         with torch.no_grad():
             outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)
-        role.model.train()
         full = torch.zeros(len(batch), R, device=self.device)
         for mb, o in zip(mbs, outs) if lay.is_last_stage and lay.tp_rank == 0 else []:
             full[mb["rows"]] = scatter_rows(mb, o["out"].float(), R)
@@ -851,7 +852,7 @@ def _saved_steps(root: str) -> list[int]:
 
 
 class Logger:
-    """Console line, metrics.jsonl and (when installed) TensorBoard, on rank 0."""
+    """Console line, metrics.jsonl and TensorBoard, as trainer.logger lists them, on rank 0."""
     CONSOLE = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "actor/entropy": "entropy",
                "actor/ppo_kl": "ppo_kl", "response_length/mean": "response_length", "timing_s/step": "step"}
 
@@ -888,9 +889,8 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\n")[0] + "\n\nusage: train.py CONFIG.yaml [key.path=value ...]")
         return
-    trainer = Trainer(load_config(argv[0], argv[1:]))
-    try:
-        trainer.fit()
+    try:  # (the process group may exist before Trainer() fails)
+        Trainer(load_config(argv[0], argv[1:])).fit()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

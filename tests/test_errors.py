@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import importlib.util
 import json
 import logging
 import os
@@ -106,6 +107,12 @@ def env(tmp_path_factory) -> Env:
 
 def _cfg(*ov):
     return lambda env, tmp: train.load_config(CONFIG, list(ov))
+
+
+def _without_tensorboard(call, env, tmp):
+    find = importlib.util.find_spec
+    with mock.patch("importlib.util.find_spec", lambda name, *a: None if name == "tensorboard" else find(name, *a)):
+        return call(env, tmp)
 
 
 def _yaml_file(tmp, name: str, text: str) -> str:
@@ -317,6 +324,10 @@ CASES = [
     Case("config-unknown-logger", "trainer.logger=[jsonl_]", _cfg("trainer.logger=[jsonl_]"), ValueError,
          r"override 'trainer\.logger=\[jsonl_\]': "
          r"trainer\.logger has unknown sink\(s\) \['jsonl_'\]; valid: \['console', 'jsonl'"),
+    Case("config-tensorboard-missing", "trainer.logger=[console,tensorboard] without tensorboard installed",
+         lambda env, tmp: _without_tensorboard(_cfg("trainer.logger=[console,tensorboard]"), env, tmp),
+         ModuleNotFoundError, r"override 'trainer\.logger=\[console,tensorboard\]': trainer\.logger names "
+         r"tensorboard: pip install tensorboard"),
     Case("config-overlong-no-buffer", "algorithm.overlong_buffer.enable=true (len 0)",
          _cfg("algorithm.overlong_buffer.enable=true"), ValueError,
          r"override 'algorithm\.overlong_buffer\.enable=true': "
