@@ -549,6 +549,16 @@ def _as_tuple(x) -> tuple:
     return () if x is None else (tuple(x) if isinstance(x, (list, tuple, set)) else (x,))
 
 
+def eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the eos_token_id of config.json and generation_config.json
+    (an instruct model lists all its ends there, as Qwen2.5-Instruct's <|im_end|> and <|endoftext|>; vLLM uses them)."""
+    ids = set(_as_tuple(tokenizer.eos_token_id))
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(path := os.path.join(model_dir, name)):
+            ids.update(_as_tuple(read_json(path).get("eos_token_id")))
+    return sorted(ids)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Sample completions from a Hugging Face model directory.")
     ap.add_argument("model_dir")
@@ -576,13 +586,10 @@ def main(argv: list[str] | None = None) -> None:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                  for t in texts]
     prompts = [tok.encode(t, add_special_tokens=not args.chat) for t in texts]
-    gen_cfg = os.path.join(args.model_dir, "generation_config.json")
-    cfg_eos = read_json(gen_cfg).get("eos_token_id") if os.path.isfile(gen_cfg) else None
-    eos = {*_as_tuple(tok.eos_token_id), *_as_tuple(cfg_eos)}
     model = load_model(args.model_dir, dtype=dtype, device=device).eval()
     gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
     t0 = time.perf_counter()
-    comps = gen.generate(prompts, params, eos_token_ids=eos, progress=args.max_new_tokens * args.n > 512)
+    comps = gen.generate(prompts, params, eos_token_ids=eos_token_ids(args.model_dir, tok), progress=args.max_new_tokens * args.n > 512)
     dt = time.perf_counter() - t0
     for c in comps:
         print(f"=== prompt {c.prompt_index} sample {c.sample_index} ({len(c.token_ids)} tokens, {c.finish_reason}, "

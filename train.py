@@ -63,7 +63,7 @@ from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipe
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
 from rewards import load_reward_fn, score_batch
-from rollout import Generator, SamplingParams
+from rollout import Generator, SamplingParams, eos_token_ids
 
 # ----------------------------------------------------------------------------- config
 
@@ -490,8 +490,7 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(
             a.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.tokenizer = load_tokenizer(a.model_path)
-        eos = self.mcfg.raw.get("eos_token_id")
-        self.eos_ids = sorted(({self.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])) - {None})
+        self.eos_ids = eos_token_ids(a.model_path, self.tokenizer)
         self.actor = self._role(a.model_path, a.optim)
         self.ref = self._role(a.model_path, None) if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
         self.critic = (self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)

@@ -2,6 +2,7 @@
 sampling statistics and masks, stops, prefill sharing, tensor parallelism, CUDA graphs (GPU only)."""
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -280,6 +281,15 @@ def test_cli_checks_the_sampling_options_first(capsys):
     with pytest.raises(SystemExit):  # before loading anything: the directory does not exist
         rollout.main(["/nonexistent", "--prompt", "hi", "--n", "0"])
     assert "--n=0: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_eos_token_ids_join_the_tokenizer_config_and_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
+    assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=7)) == [7]
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 3]}')  # Qwen2.5-Instruct's shape
+    assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=1)) == [1, 3, 7]
+    (tmp_path / "config.json").write_text('{}')
+    assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=None)) == [3, 7]
 
 
 def test_sliding_window_model_fits_when_the_sequence_does(tmp_path):
