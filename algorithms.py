@@ -76,14 +76,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 def _group_stats(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: torch.Tensor):
-    """(mask as float, scores s_i, per sample its group's size, mean and unbiased std); a singleton: mean 0, std 1."""
+    """(mask as float, scores s_i, per sample its group's size, mean and unbiased std); a singleton: mean 0, std 1.
+    The mean is taken as min + mean(s - min), which is exact when a group's scores are all equal: a plain float32
+    mean of 16 scores of 0.7 misses by an ulp, and (s_i - mean) / (std + eps) then comes out near 0.1, not 0."""
     mask = response_mask.to(token_level_rewards.dtype)
     scores = _masked_sum(token_level_rewards, mask, dim=-1)
-    _, gid = torch.unique(index, return_inverse=True)  # arbitrary ids -> 0..G-1
+    _, gid = torch.unique(index.to(scores.device), return_inverse=True)  # arbitrary ids -> 0..G-1
     num_groups = int(gid.max()) + 1
     count = torch.bincount(gid, minlength=num_groups).to(scores.dtype)
-    mean = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, scores) / count
-    sq = torch.zeros(num_groups, dtype=scores.dtype).index_add_(0, gid, (scores - mean[gid]) ** 2)
+    low = scores.new_full((num_groups,), math.inf).scatter_reduce(0, gid, scores, "amin")
+    mean = low + scores.new_zeros(num_groups).index_add_(0, gid, scores - low[gid]) / count
+    sq = scores.new_zeros(num_groups).index_add_(0, gid, (scores - mean[gid]) ** 2)
     std = (sq / (count - 1).clamp_min(1)).sqrt()
     single = count[gid] == 1
     return mask, scores, count[gid], torch.where(single, 0.0, mean[gid]), torch.where(single, 1.0, std[gid])
@@ -148,12 +151,12 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
 
 
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
-                                                           response_mask: torch.Tensor, index: torch.Tensor,
-                                                           epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps inside the sqrt.
-    A singleton group's mean is 0 (as in GRPO). Returns (A, A)."""
+                                                           response_mask: torch.Tensor,
+                                                           index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: A = whiten_batch((s_i - mean_g) broadcast over tokens), eps 1e-8 inside the sqrt (verl's
+    masked_whiten). A singleton group's mean is 0 (as in GRPO). Returns (A, A)."""
     mask, scores, _, mean, _ = _group_stats(token_level_rewards, response_mask, index)
-    adv = masked_whiten((scores - mean).unsqueeze(-1) * mask, mask, eps=epsilon) * mask
+    adv = masked_whiten((scores - mean).unsqueeze(-1) * mask, mask) * mask
     return adv, adv
 
 
@@ -236,8 +239,9 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     vanilla: rho = exp(clamp(logp - logp_old, -20, 20)),
       L = max(-A rho, -A clip(rho, 1-low, 1+high)); for A < 0, L = min(L, -A clip_ratio_c).
     gspo: rho_i = exp(mean_t(logp - logp_old)) per sequence, in the token form
-      rho_{i,t} = sg(rho_i) exp(logp_t - sg(logp_t)), whose value is rho_i and whose gradient is rho_i grad logp_t;
-      then the same two-sided clip, no dual clip. The GSPO paper: tiny clip ranges (3e-4 / 4e-4), seq-mean-token-mean.
+      rho_{i,t} = sg(rho_i) exp(logp_t - sg(logp_t)), whose value is rho_i and whose gradient is rho_i grad logp_t
+      (log rho_{i,t} clamped at 10, where the gradient stops); then the same two-sided clip, no dual clip. It needs
+      loss_agg_mode seq-mean-token-mean (the paper's; verl imposes it); the paper's clip ranges are 3e-4 / 4e-4.
     cispo: L = -A sg(clip(rho, 1-low, 1+high)) logp: the IS weight is clipped and detached, so every token keeps a
       gradient (pass a large clip_ratio_low for CISPO's one-sided clip).
     `rollout_is_weights` (detached, per token) multiply L before aggregation.
@@ -245,14 +249,16 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     metrics (0-dim, detached): pg_clipfrac, pg_clipfrac_lower, ppo_kl = mean(logp_old - logp), each as
     sum(x m) / global_tokens, i.e. this micro-batch's *contribution*: summing them over micro-batches and ranks gives
     the mini-batch value. global_tokens defaults to global_denominator in token-mean mode and is required otherwise."""
+    if policy_loss_mode == "gspo" and loss_agg_mode != "seq-mean-token-mean":
+        raise ValueError(f"policy_loss_mode gspo needs loss_agg_mode seq-mean-token-mean, got {loss_agg_mode!r}")
     metric_denom = _metric_tokens(loss_agg_mode, global_denominator, global_tokens)
     log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     clipfrac_lower = torch.zeros_like(ratio)
     if policy_loss_mode in ("vanilla", "gspo"):
         if policy_loss_mode == "gspo":  # token form of rho_i: value rho_i, gradient rho_i grad logp_t
-            seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().unsqueeze(-1)
-            ratio = torch.exp(torch.clamp(log_prob - log_prob.detach() + seq_log_ratio, max=20.0))
+            seq_log_ratio = masked_mean(log_prob - old_log_prob, response_mask, dim=-1).detach().unsqueeze(-1)
+            ratio = torch.exp(torch.clamp(log_prob - log_prob.detach() + seq_log_ratio, max=10.0))  # (verl's bound)
         elif clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
         loss1 = -advantages * ratio

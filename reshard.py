@@ -79,7 +79,8 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
     k, n = _split(tp, tp_g)
     if n > 1 and tp > 1 and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
         raise RuntimeError(f"rollout tp={tp_g} above training tp={tp} lists its TP groups' ranks in slice order, not "
-                           f"ascending, which needs torch >= 2.12 (new_group's sort_ranks); this is {torch.__version__}")
+                           f"ascending, which needs torch >= 2.12 (new_group's sort_ranks); this is "
+                           f"{torch.__version__}")
     micro, gen = {}, {}
     for rank in range(world):
         d, p, t = rank // (tp * pp), rank // tp % pp, rank % tp

@@ -588,8 +588,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [tok.encode(t, add_special_tokens=not args.chat) for t in texts]
     model = load_model(args.model_dir, dtype=dtype, device=device).eval()
     gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
+    eos = eos_token_ids(args.model_dir, tok)
     t0 = time.perf_counter()
-    comps = gen.generate(prompts, params, eos_token_ids=eos_token_ids(args.model_dir, tok), progress=args.max_new_tokens * args.n > 512)
+    comps = gen.generate(prompts, params, eos_token_ids=eos, progress=args.max_new_tokens * args.n > 512)
     dt = time.perf_counter() - t0
     for c in comps:
         print(f"=== prompt {c.prompt_index} sample {c.sample_index} ({len(c.token_ids)} tokens, {c.finish_reason}, "

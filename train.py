@@ -331,6 +331,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if (ris := cfg.algorithm.rollout_is).bypass_mode and ris.enable:  # pi_old = pi_rollout: the weights would be 1
         raise ValueError(f"{src('algorithm.rollout_is')}: algorithm.rollout_is.enable and .bypass_mode exclude "
                          "each other")
+    if a.policy_loss_mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":  # (verl imposes it)
+        raise ValueError(f"{src('actor.policy_loss_mode', 'actor.loss_agg_mode')}: actor.policy_loss_mode=gspo needs "
+                         f"actor.loss_agg_mode=seq-mean-token-mean (its sequence-level ratio), got {a.loss_agg_mode}")
     if cfg.rollout.temperature <= 0:  # the log-probs divide by it
         raise ValueError(f"{src('rollout.temperature')}: rollout.temperature must be > 0 for training")
     return cfg
@@ -495,8 +498,7 @@ class Trainer:
         self.ref = self._role(a.model_path, None) if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
         self.critic = (self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
                        if cfg.algorithm.adv_estimator == "gae" else None)
-        kc = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if kc.type == "fixed"
+        self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if (kc := cfg.algorithm.kl_ctrl).type == "fixed"
                         else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
         self.reward_fn = load_reward_fn(cfg.reward.fn or None)
         ds = (self.tokenizer, d.max_prompt_length, d.truncation, d.filter_overlong_prompts, d.prompt_key, d.cache_dir)
@@ -860,10 +862,9 @@ class Logger:
         self.console = "console" in kinds
         # a resumed run appends (the steps it redoes appear twice); a fresh one starts the file anew
         self.jsonl = open(os.path.join(out, "metrics.jsonl"), "w" if fresh else "a") if "jsonl" in kinds else None
-        self.tb = None
-        if "tensorboard" in kinds:
+        if "tensorboard" in kinds:  # (load_config checked that it is installed)
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.tb = SummaryWriter(os.path.join(out, "tensorboard")) if "tensorboard" in kinds else None
 
     def log(self, step: int, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}

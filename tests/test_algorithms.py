@@ -202,7 +202,7 @@ def test_reinforce_pp_baseline_vs_loop():
         mean = sum(scores[i].item() for i in members) / len(members) if len(members) > 1 else 0.0
         for i in members:
             centered[i] = (scores[i] - mean) * m[i]
-    assert approx(adv, ref_whiten(centered, m, eps=1e-6) * m)
+    assert approx(adv, ref_whiten(centered, m, eps=1e-8) * m)
 
 
 def test_compute_advantage_dispatch():
@@ -381,6 +381,10 @@ def test_ppo_loss_vs_loop_with_gradient():
 @pytest.mark.parametrize("policy_loss_mode", ["vanilla", "gspo", "cispo"])
 @pytest.mark.parametrize("mode", MODES)
 def test_policy_loss_split_invariance(mode, policy_loss_mode):
+    if policy_loss_mode == "gspo" and mode != "seq-mean-token-mean":  # the one aggregation GSPO is defined with
+        with pytest.raises(ValueError, match=f"gspo needs loss_agg_mode seq-mean-token-mean, got '{mode}'"):
+            A.compute_policy_loss(*torch.zeros(4, 1, 1), 1, loss_agg_mode=mode, policy_loss_mode="gspo")
+        return
     _, m, _, g = random_batch(9)
     old = torch.randn(m.shape, generator=g) * 0.1 - 1
     logp = old + torch.randn(m.shape, generator=g) * 0.5
@@ -416,6 +420,24 @@ def test_gspo_value_and_gradient():
     (grad,) = torch.autograd.grad(loss, logp)
     # each valid token of row 0 gets -A s0 / (2 tokens) / (2 seqs); row 1 is clipped
     assert approx(grad, [[-2 * s0 / 4, -2 * s0 / 4, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_gspo_ratio_is_clamped_at_exp_10_without_gradient_beyond():
+    logp = torch.full((2, 3), 15.0, requires_grad=True)  # log rho = 15 for every sequence
+    m, adv = torch.ones(2, 3), -torch.ones(2, 3)
+    loss, _ = A.compute_policy_loss(torch.zeros(2, 3), logp, adv, m, 2, loss_agg_mode="seq-mean-token-mean",
+                                    policy_loss_mode="gspo", global_tokens=6)
+    assert approx(loss.detach(), math.exp(10.0))  # -A rho with rho = e^10, not e^15
+    assert torch.autograd.grad(loss, logp)[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_of_equal_scores_has_zero_advantage(dtype):
+    r = torch.zeros(16, 3, dtype=dtype)  # one group of 16 responses that all scored 0.7 (partial credit)
+    r[:, 2] = 0.7
+    m, index = torch.ones(16, 3, dtype=dtype), torch.zeros(16, dtype=torch.long)
+    for est in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        assert A.compute_advantage(est, r, m, index)[0].abs().max() == 0, est
 
 
 def test_cispo_gradient_flows_through_clipped_tokens():

@@ -328,6 +328,10 @@ CASES = [
          lambda env, tmp: _without_tensorboard(_cfg("trainer.logger=[console,tensorboard]"), env, tmp),
          ModuleNotFoundError, r"override 'trainer\.logger=\[console,tensorboard\]': trainer\.logger names "
          r"tensorboard: pip install tensorboard"),
+    Case("config-gspo-token-mean", "actor.policy_loss_mode=gspo with the default token-mean aggregation",
+         _cfg("actor.policy_loss_mode=gspo"), ValueError,
+         r"override 'actor\.policy_loss_mode=gspo': actor\.policy_loss_mode=gspo needs "
+         r"actor\.loss_agg_mode=seq-mean-token-mean \(its sequence-level ratio\), got token-mean"),
     Case("config-overlong-no-buffer", "algorithm.overlong_buffer.enable=true (len 0)",
          _cfg("algorithm.overlong_buffer.enable=true"), ValueError,
          r"override 'algorithm\.overlong_buffer\.enable=true': "
