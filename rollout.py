@@ -156,8 +156,13 @@ if TRITON:
         return ((h >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - 0.99999994039535522
 
     @triton.jit
-    def _log2_approx(x):  # one instruction, where tl.log is a polynomial of ~20
-        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    def _neg_log2(u):
+        """-log2 u for _uniform's u: lg2.approx, one instruction where tl.log is a polynomial of ~20; but its absolute
+        error (~2^-22) would swamp the result near u = 1 (7x too small at the top u, +2 nats to that token's score), so
+        there the series (v + v^2/2 + v^3/3) / ln 2 in v = 1 - u, which is exact in fp32."""
+        v = 1.0 - u
+        lg2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.where(v < 0.015625, v * (1.0 + v * (0.5 + v * 0.33333334)) * 1.4426950408889634, -lg2)
 
     @triton.jit
     def _sample_chunk(Z, Keys, Pos, Out, V, stride_z, inv_temperature, vocab_start, limit,
@@ -165,7 +170,7 @@ if TRITON:
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
         and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
         argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log
-        is lg2.approx (E / ln 2: the same argmin); tl.log's polynomial and a division by T made it 1.7x slower."""
+        is mostly lg2.approx (E / ln 2: the same argmin); tl.log's polynomial and a division by T made it 1.7x slower."""
         b, c = tl.program_id(0), tl.program_id(1)
         i = c * CHUNK + tl.arange(0, CHUNK)
         z = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf")).to(tl.float32) * inv_temperature
@@ -177,7 +182,7 @@ if TRITON:
         else:
             pos = tl.load(Pos + b).to(tl.uint32)
             row = _fmix32_tl(tl.load(Keys + b).to(tl.uint32) ^ _fmix32_tl(pos * 0x9E3779B1 + 0x2545F491))
-            e = -_log2_approx(_uniform(row, (i + vocab_start).to(tl.uint32)))
+            e = _neg_log2(_uniform(row, (i + vocab_start).to(tl.uint32)))
             _, j = tl.min(tl.where(i < limit, e / p, float("inf")), 0, return_indices=True)
             at = tl.load(Z + b * stride_z + c * CHUNK + j).to(tl.float32) * inv_temperature
             g_j = -tl.log(-tl.log(_uniform(row, (c * CHUNK + j + vocab_start).to(tl.uint32))))  # exact, once
@@ -294,7 +299,8 @@ class Generator:
             self._allocate(max_len)
 
     # --- memory
-    def _allocate(self, max_len: int) -> None:
+    def _allocate(self, max_len: int, need: int | None = None) -> None:
+        """A cache of rows of max_len positions; one of `need` (<= max_len) instead if that gives more rows."""
         cfg, m = self.model.cfg, self.model
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
@@ -308,6 +314,8 @@ class Generator:
             budget = int(free.item() * self.memory_fraction) // per_token
         elif budget is None:
             budget = self.max_rows * max_len
+        if need and min(self.max_rows, budget // need) > min(self.max_rows, budget // max_len):
+            max_len = need  # room to grow would cost rows
         if (rows := min(self.max_rows, budget // max_len)) < 1:
             raise ValueError(f"KV cache budget of {budget} tokens ({budget * per_token / 2**30:.2f} GiB at "
                              f"{per_token} bytes/token) cannot hold one row of max_len={max_len}; raise "
@@ -435,7 +443,8 @@ class Generator:
             if self.cache is not None:
                 self.free()
             room = -(-need // 64) * 64  # room to grow, but not past a sliding window that `need` fits in
-            self._allocate(self.fixed_len or max(need, min(room, self.model.cfg.sliding_window or room)))
+            self._allocate(self.fixed_len or max(need, min(room, self.model.cfg.sliding_window or room)),
+                           None if self.fixed_len else need)
         greedy = params.temperature == 0
         self.mode = (float(params.temperature), 0 if greedy else max(params.top_k, 0),
                      None if greedy or params.top_p == 1 else float(params.top_p))

@@ -276,6 +276,20 @@ def test_errors_name_the_problem(model):
         Generator(model, vocab_size=999)
 
 
+def test_cache_sized_at_first_use_keeps_the_rows_its_budget_holds(model):
+    # sized to the need rounded up to 64 positions (room to grow), unless that costs rows
+    prompts = rand_prompts((60,), seed=5)
+    gen = Generator(model, max_rows=4, kv_cache_tokens=100)  # 70 positions needed: 100 holds one row, 128 none
+    gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
+    assert (gen.cache.rows, gen.cache.max_len) == (1, 70)
+    gen = Generator(model, max_rows=16, kv_cache_tokens=1000)
+    gen.generate(rand_prompts((55,) * 16, seed=6), SamplingParams(temperature=0, max_new_tokens=10))
+    assert (gen.cache.rows, gen.cache.max_len) == (15, 65)  # 1000 // 65, not 1000 // 128 = 7
+    gen = Generator(model, max_rows=4)  # no budget on CPU: max_rows rows, rounded up
+    gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
+    assert (gen.cache.rows, gen.cache.max_len) == (4, 128)
+
+
 
 def test_cli_checks_the_sampling_options_first(capsys):
     with pytest.raises(SystemExit):  # before loading anything: the directory does not exist
@@ -457,4 +471,26 @@ def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit):
     pos = torch.arange(64, device="cuda") + 11
     want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit)
     got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, chunk=1024)
+    assert torch.equal(got[:, 1], want[:, 1]) and (got - want).abs().max().item() < 1e-3
+
+
+@cuda
+def test_sampling_kernel_is_exact_for_the_largest_uniform():
+    """A token whose hash gives the largest u (g = 16.6) and a competitor whose score is 1 nat above it: the
+    competitor wins. An approximate -log2 u near u = 1 would add ~2 nats to the first and draw it instead."""
+    import rollout
+    if not rollout.TRITON:
+        pytest.skip("needs triton")
+    keys, pos = torch.tensor([rollout.sample_key(9, 0, 0)], device="cuda"), torch.tensor([11], device="cuda")
+    ids = torch.arange(1 << 25, device="cuda")
+    g = rollout.gumbel(keys, pos, ids)[0]
+    top = int(ids[g == g.max()][0])  # 2^25 draws of 2^23 values: the largest, u = 1 - 2^-24, is there
+    assert g.max().item() > 16.5
+    start, other = top - 100, top + 100  # a slice of 4096 ids holding both
+    logits = torch.full((1, 4096), -1e4, device="cuda")
+    logits[0, 100], logits[0, 200] = 0.0, g[top] + 1 - g[other]
+    logits = logits.bfloat16()
+    want = rollout._sample_stats(logits, keys, pos, 1.0, start, None)
+    got = rollout._sample_stats_gpu(logits, keys, pos, 1.0, start, None, chunk=1024)
+    assert want[0, 1].item() == other and want[0, 0].item() - g[top].item() > 0.5
     assert torch.equal(got[:, 1], want[:, 1]) and (got - want).abs().max().item() < 1e-3
