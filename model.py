@@ -113,9 +113,16 @@ class ModelConfig:
             raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}")
         if missing := [k for k in REQUIRED_KEYS if k not in c]:
             raise ValueError(f"{source}: missing required key(s) {missing}")
-        # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling
-        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        if c.get("quantization_config"):
+            raise ValueError(f"{source}: quantized checkpoints ({c['quantization_config'].get('quant_method')}) are "
+                             "not supported; use the bf16/fp16/fp32 weights")
+        if (act := c.get("hidden_act", "silu")) not in ("silu", "swish"):
+            raise ValueError(f"{source}: hidden_act={act!r} is not supported; the MLP is SwiGLU (silu)")
+        # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling, and a
+        # rope_scaling present overrides rope_parameters there too
+        params = c.get("rope_parameters") or {}
+        rope = dict(c.get("rope_scaling") or params)
+        theta = rope.pop("rope_theta", params.get("rope_theta", c.get("rope_theta", 10000.0)))
         if (rtype := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "llama3"):
             raise ValueError(f"{source}: rope type {rtype!r} is not supported; supported: default, llama3")
         if rtype == "llama3" and (missing := [k for k in LLAMA3_ROPE_KEYS if k not in rope]):
@@ -125,13 +132,15 @@ class ModelConfig:
             raise ValueError(f"{source}: {'mlp_bias' if c.get('mlp_bias') else 'attention_bias'}=true is not "
                              f"supported for {arch} (only Qwen2's q/k/v biases are)")
         heads = c["num_attention_heads"]
-        sw = c.get("sliding_window") if c.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        # Mistral always slides (4096 unless set, null: never); Qwen2/3 only with use_sliding_window
+        sw = c.get("sliding_window", 4096) if arch == "MistralForCausalLM" else (
+            c.get("sliding_window") if c.get("use_sliding_window") else None)
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                    intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
                    num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
                    rope_theta=float(theta), rope_scaling=rope if rtype == "llama3" else None, sliding_window=sw,
-                   attention_bias=c.get("attention_bias", arch == "Qwen2ForCausalLM"),
+                   attention_bias=arch == "Qwen2ForCausalLM",  # (Qwen2 has q/k/v biases whatever the key says)
                    qk_norm=arch == "Qwen3ForCausalLM", tie_word_embeddings=c.get("tie_word_embeddings", False),
                    max_position_embeddings=c.get("max_position_embeddings", 4096), architecture=arch, raw=c)
 

@@ -409,6 +409,18 @@ CASES = [
              env, rope_scaling={"rope_type": "llama3", "factor": 8.0}))), ValueError,
          r"config\.json: llama3 rope scaling lacks \['low_freq_factor', 'high_freq_factor', "
          r"'original_max_position_embeddings'\]"),
+    Case("model-quantized", "config.json with quantization_config (an FP8 checkpoint)",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, quantization_config={"quant_method": "fp8"}))), ValueError,
+         r"config\.json: quantized checkpoints \(fp8\) are not supported; use the bf16/fp16/fp32 weights"),
+    Case("model-hidden-act", "config.json with hidden_act: gelu",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(env, hidden_act="gelu"))), ValueError,
+         r"config\.json: hidden_act='gelu' is not supported; the MLP is SwiGLU \(silu\)"),
+    Case("model-rope-scaling-over-parameters", "rope_parameters default, rope_scaling linear (it wins, as in HF)",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+             rope_scaling={"rope_type": "linear", "factor": 4.0}))), ValueError,
+         r"config\.json: rope type 'linear' is not supported; supported: default, llama3"),
     Case("model-no-weights", "load_model(dir without *.safetensors), random_init=False",
          lambda env, tmp: load_model(env.model_dir), FileNotFoundError,
          r"model directory '.*model' has no \*\.safetensors weights"),

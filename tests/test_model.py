@@ -40,6 +40,30 @@ def test_logits_match_transformers(ckpt):
     assert rel_err(got, want) <= 1e-5
 
 
+def test_config_keys_read_as_transformers_reads_them(tmp_path):
+    # Qwen2 keeps its q/k/v biases whatever attention_bias says: the logits still match transformers
+    path = helpers.make_checkpoint(str(tmp_path / "q"), "qwen2", with_tokenizer=False)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    (tmp_path / "q" / "config.json").write_text(json.dumps({**cfg, "attention_bias": False}))
+    ids, ours = torch.randint(0, cfg["vocab_size"], (1, 21)), load_model(path)
+    with torch.no_grad():
+        want, got = helpers.hf_model(path)(ids).logits[0], ours.logits(ours.packed(*packed([ids[0]])))
+    assert rel_err(got, want) <= 1e-5
+    mistral = {**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    assert ModelConfig.from_hf({**mistral, "sliding_window": 16, "use_sliding_window": False}).sliding_window == 16
+    assert ModelConfig.from_hf({k: v for k, v in mistral.items() if k != "sliding_window"}).sliding_window == 4096
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).sliding_window is None
+    assert ModelConfig.from_hf({**cfg, "sliding_window": 16}).sliding_window is None  # Qwen2: use_sliding_window
+    assert ModelConfig.from_hf({**cfg, "sliding_window": 16, "use_sliding_window": True}).sliding_window == 16
+    # rope_scaling, when present, overrides rope_parameters (transformers 5), and its theta falls back to theirs
+    both = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert ModelConfig.from_hf(both).rope_theta == 5e5
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    got = ModelConfig.from_hf({**both, "rope_scaling": llama3})
+    assert got.rope_scaling == llama3 and got.rope_theta == 5e5
+
+
 def test_packed_equals_alone_and_left_padded(ckpt):
     model = load_model(ckpt)
     seqs = [torch.randint(0, 256, (n,)) for n in (5, 17, 11)]
