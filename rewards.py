@@ -15,7 +15,8 @@ The rules:
                  \\frac12 -> \\frac{1}{2}, units, \\left/\\right, ...) and compared with the normalized ground truth;
                  two plain numbers or simple fractions are compared exactly as rationals (0.5 == \\frac{1}{2}).
   math_dapo      DAPO's rule: in the last 300 characters, the last line holding "Answer:", from its first "Answer:"
-                 to the line's end; +1 if equivalent to the (unboxed) ground truth else -1, returned as
+                 to the line's end, in Minerva's normal form (the value after the last "=", units and $..$ dropped);
+                 +1 if equal to the (unboxed) ground truth's, or equivalent as for MATH, else -1, returned as
                  {"score", "acc", "pred"}. Also used for "aime*" data sources.
   synthetic/*    toy tasks (data.py): the stripped response starts with the ground truth (for "add", no digit follows).
 
@@ -30,6 +31,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from fractions import Fraction
 from typing import Callable
 
@@ -100,9 +102,9 @@ def strip_math_string(s: str) -> str:
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = re.sub(r"\^\{?\\circ\}?", "", s).replace("°", "")
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").replace("\\ ", "")
     s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
-    s = re.sub(r"^(.+?)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]*\}(\^\{?\d\}?)?$", r"\1", s)  # a trailing unit: 5\text{ cm}
+    s = re.sub(r"^(.+?)\\(?:text|mbox|mathrm)\{[a-zA-Z\s]*\}(\^\{?\d\}?)?$", r"\1", s)  # a trailing unit: 5\text{ cm}
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s).strip().rstrip(".").strip()  # \text{word}
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
         s = s.split("=")[1]
@@ -128,7 +130,7 @@ def _as_rational(s: str) -> Fraction | None:
             value = Fraction(int(m.group(2)), int(m.group(3)))
             return -value if m.group(1) else value
         return Fraction(s) if re.fullmatch(r"-?\d+(\.\d+)?", s) else None
-    except ZeroDivisionError:
+    except (ZeroDivisionError, ValueError):  # (ValueError: past Python's 4300-digit limit for int(str))
         return None
 
 
@@ -151,16 +153,42 @@ def math_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if is_equiv(remove_boxed(boxed), ground_truth) else 0.0
 
 
+# DAPO normalizes answers as Minerva does (Lewkowycz et al. 2022, appendix D): these rewrites, then these words and
+# marks deleted wherever they occur (units, mostly), then the insides of $..$, \text, \textbf, \overline, \boxed kept
+MINERVA_REWRITES = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+MINERVA_DELETED = ("square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units", "\\ldots",
+                   "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+                   "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
+                   "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
+                   "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots")
+
+
+def normalize_final_answer(answer: str) -> str:
+    """DAPO's (Minerva's) normal form of an answer: "$m+n = 25$" -> "25", "120 degrees" -> "120", "1,000" -> "1000"."""
+    answer = answer.split("=")[-1]
+    for old, new in MINERVA_REWRITES:
+        answer = answer.replace(old, new)
+    for word in MINERVA_DELETED:
+        answer = answer.replace(word, "")
+    answer = re.sub(r"^.*?\$(.*?)\$.*$", r"$\1$", answer, flags=re.S)  # the first $...$
+    for command in ("text", "textbf", "overline"):
+        answer = re.sub(rf"\\{command}\{{(.*?)\}}", r"\1", answer)
+    answer = re.sub(r"\\boxed\{(.*)\}", r"\1", answer)
+    answer = re.sub(r"frac([^{])(.)", r"frac{\1}{\2}", answer)
+    answer = re.sub(r"sqrt([^{])", r"sqrt{\1}", answer).replace("$", "")
+    return answer.replace(",", "") if answer.replace(",", "").isdigit() else answer
+
+
 def math_dapo_score(solution_str: str, ground_truth: str) -> dict:
     """DAPO: pred = the rest of the last line holding "Answer:" (case-insensitive, after its first one) in the last 300
-    characters; score +1.0 if it is equivalent to the ground truth (unboxed if boxed), else -1.0 (also when no answer
-    is given)."""
+    characters, in DAPO's normal form; score +1.0 if it equals the ground truth's (unboxed if boxed), else -1.0 (also
+    when no answer is given). Equal is DAPO's string equality, or else is_equiv (0.5 = \\frac{1}{2}, "1,000." =
+    1000): every answer DAPO counts right counts right here."""
     found = re.findall(r"(?i)answer\s*:\s*([^\n]+)", solution_str[-_SOLUTION_CLIP_CHARS:])
-    pred = found[-1].strip() if found else "[INVALID]"
-    boxed = last_boxed_only_string(pred)
-    pred = strip_math_string(remove_boxed(boxed) if boxed else pred)
-    ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)
-    correct = bool(found) and is_equiv(pred, ground_truth)
+    pred = normalize_final_answer(found[-1]) if found else "[INVALID]"
+    truth = normalize_final_answer(remove_boxed(last_boxed_only_string(ground_truth) or ground_truth))
+    correct = bool(found) and (pred == truth or is_equiv(pred, truth))
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
@@ -211,9 +239,11 @@ def load_reward_fn(spec: str | None) -> Callable:
     if module_spec is None:
         raise ValueError(f"reward function file {path!r} (from {spec!r}) is not a Python source file (.py)")
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would: dataclasses and pickle look modules up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's file: say which one broke, keep the original traceback
+        del sys.modules[module_spec.name]
         raise ImportError(f"reward function file {path!r} failed to import: {type(e).__name__}: {e}") from e
     if not callable(fn := getattr(module, name, None)):
         present = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

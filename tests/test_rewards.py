@@ -116,6 +116,8 @@ def test_math_equivalence(a, b, expected):
     ("\\boxed {5}", "5", 1.0),  # a space before the brace
     ("\\boxed{\\frac{\\pi}{2}}", "\\frac\\pi2", 1.0),  # \frac with a command argument
     ("\\boxed{\\sqrt{\\pi}}", "\\sqrt\\pi", 1.0),
+    ("\\boxed{5\\ \\text{cm}}", "5", 1.0),  # a LaTeX space before the unit
+    ("\\boxed{1." + "0" * 5000 + "1}", "1", 0.0),  # past int()'s 4300 digits: not equal, not an error
 ])
 def test_math_score(solution, truth, expected):
     for source in R.MATH_SOURCES:
@@ -129,7 +131,12 @@ def test_math_score(solution, truth, expected):
     ("Reasoning...\nAnswer: 42", "42", 1.0, "42"),
     ("Reasoning...\nanswer:   42\nThanks", "42", 1.0, "42"),
     ("Answer: 41\nwait, no.\nAnswer: 42", "42", 1.0, "42"),  # the last one counts
-    ("Answer: \\boxed{1,000}.", "1000", 1.0, "1000"),
+    ("Answer: \\boxed{1,000}.", "1000", 1.0, "1,000."),  # DAPO's form keeps "1,000."; is_equiv matches it
+    ("Answer: $m+n = 25$", "25", 1.0, "25"),  # DAPO's normal form: the value after the last "="
+    ("Answer: 120 degrees", "120", 1.0, "120"),  # unit words deleted
+    ("Answer: $42$ cm", "42", 1.0, "42"),  # the inside of $...$
+    ("Answer: \\frac12", "0.5", 1.0, "\\frac{1}{2}"),  # equal as rationals (DAPO's string test says no)
+    ("Answer: 25 ways", "26", -1.0, "25"),
     ("Answer: $x = 12$", "12", 1.0, "12"),
     ("Answer: 43", "42", -1.0, "43"),
     ("Answer: 42", "\\boxed{42}", 1.0, "42"),  # a boxed ground truth is unboxed
@@ -171,8 +178,8 @@ def test_unknown_data_source():
 # --------------------------------------------------------------------------- user scorers
 
 
-def write(tmp_path, text):
-    path = tmp_path / "my_reward.py"
+def write(tmp_path, text, name="my_reward.py"):
+    path = tmp_path / name
     path.write_text(text)
     return str(path)
 
@@ -197,6 +204,12 @@ def test_load_reward_fn(tmp_path):
         R.load_reward_fn(f"{path}:two_args")
     with pytest.raises(ValueError, match="path/to/file.py:function"):
         R.load_reward_fn(path)
+    # a scorer module like any other: dataclasses under postponed annotations look their module up by name
+    typed = write(tmp_path, "from __future__ import annotations\nimport dataclasses\n\n@dataclasses.dataclass\n"
+                            "class Rule:\n    bonus: float = 0.25\n\n"
+                            "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                            "    return Rule().bonus\n", name="typed.py")
+    assert R.load_reward_fn(f"{typed}:score")(data_source="d", solution_str="a", ground_truth="b") == 0.25
 
 
 def test_score_batch(caplog):
