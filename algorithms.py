@@ -336,7 +336,7 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
+        pass  # a fixed coefficient is the config's, also when a run resumes with another one
 
 
 class AdaptiveKLController(FixedKLController):
@@ -349,6 +349,9 @@ class AdaptiveKLController(FixedKLController):
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+    def load_state_dict(self, state: dict) -> None:  # the coefficient it had reached
+        self.value = float(state["value"])
 
 
 def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,

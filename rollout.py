@@ -169,8 +169,8 @@ if TRITON:
                       GREEDY: tl.constexpr, CHUNK: tl.constexpr):
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
         and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
-        argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log
-        is mostly lg2.approx (E / ln 2: the same argmin); tl.log's polynomial and a division by T made it 1.7x slower."""
+        argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log is
+        mostly lg2.approx (E / ln 2: the same argmin); tl.log's polynomial and a division by T made it 1.7x slower."""
         b, c = tl.program_id(0), tl.program_id(1)
         i = c * CHUNK + tl.arange(0, CHUNK)
         z = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf")).to(tl.float32) * inv_temperature

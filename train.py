@@ -137,7 +137,7 @@ class RolloutConfig:
     kv_cache_tokens: int = 0            # 0: size from gpu_memory_fraction (CPU: rows x max length)
     gpu_memory_fraction: float = 0.5
     use_cuda_graphs: bool = True
-    val_temperature: float = 0.0        # 0: greedy validation
+    val_temperature: float = 0.0        # 0: greedy validation (no top-p/top-k there, as verl's val_kwargs)
     val_n: int = 1
 
 
@@ -250,21 +250,22 @@ CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32
            "trainer.device": ("auto", "cpu", "cuda")}
 
 
-def _build(cls, d: dict, prefix: str, source):
-    """dict -> dataclass, naming the nearest valid key for an unknown one and checking types; source(key) names
-    where a key's value came from (the YAML file or an override)."""
-    fields, kwargs = [f.name for f in dataclasses.fields(cls)], {}
+def _build(base, d: dict, prefix: str, source):
+    """dict -> a copy of the dataclass instance `base` with those values (a nested section starts from its parent's
+    default, e.g. the critic's lr), naming the nearest valid key for an unknown one and checking types; source(key)
+    names where a key's value came from (the YAML file or an override)."""
+    fields, kwargs = [f.name for f in dataclasses.fields(base)], {}
     for key, val in d.items():
         path = prefix + key
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
             raise KeyError(f"{source(path)}: unknown config key {path!r}{hint}")
-        default = getattr(cls(), key)
+        default = getattr(base, key)
         if dataclasses.is_dataclass(default):
             if not isinstance(val, dict):
                 raise TypeError(f"{source(path)}: {path} must be a mapping, got {val!r}")
-            kwargs[key] = _build(type(default), val, path + ".", source)
+            kwargs[key] = _build(default, val, path + ".", source)
             continue
         if isinstance(default, float) and isinstance(val, (int, str)) and not isinstance(val, bool):
             with contextlib.suppress(ValueError):  # YAML reads 1e-6 (no dot) as a string
@@ -277,7 +278,7 @@ def _build(cls, d: dict, prefix: str, source):
         if path in CHOICES and val not in CHOICES[path]:
             raise ValueError(f"{source(path)}: {path}={val!r} is not one of {list(CHOICES[path])}")
         kwargs[key] = val
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs)
 
 
 def load_config(path: str, overrides: list[str] = ()) -> Config:
@@ -303,7 +304,7 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
         hits = [ov for ov in overrides for key in keys  # ov sets `key`, a key under it, or a section holding it
                 if (key + ".").startswith(k := ov.split("=")[0] + ".") or k.startswith(key + ".")]
         return f"override {hits[-1]!r}" if hits else path
-    cfg = _build(Config, raw, "", src)
+    cfg = _build(Config(), raw, "", src)
     d, a = cfg.data, cfg.actor  # checks across keys
     for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
         if not val:
@@ -518,11 +519,12 @@ class Trainer:
         return Role(m, ShardedAdamW(m, self.layout, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay))
 
     # --- generation
-    def generate(self, items: list[dict], temperature: float, n: int, seed: int) -> Batch:
+    def generate(self, items: list[dict], seed: int, val: bool = False) -> Batch:
         ro, R = self.cfg.rollout, self.cfg.data.max_response_length
+        n, t, p, k = (ro.val_n, ro.val_temperature, 1.0, -1) if val else (ro.n, ro.temperature, ro.top_p, ro.top_k)
         with self.resharder.generation() as gen_model:
             mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
-            params = SamplingParams(n=n, temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=R)
+            params = SamplingParams(n=n, temperature=t, top_p=p, top_k=k, max_new_tokens=R)
             gen = Generator(gen_model, max_rows=ro.max_rows, max_len=self.cfg.data.max_prompt_length + R,
                             kv_cache_tokens=ro.kv_cache_tokens or None, gpu_memory_fraction=ro.gpu_memory_fraction,
                             use_cuda_graphs=ro.use_cuda_graphs)
@@ -559,8 +561,8 @@ class Trainer:
                                    "(algorithm.filter_groups.max_num_gen_batches); raise it or check the rewards")
             items = self.train_data.get_batch(self.sampler.next_indices())
             with timed(metrics, "gen"):
-                batch = self.generate(items, cfg.rollout.temperature, n,
-                                      seed=cfg.trainer.seed + 7919 * self.step + len(kept))
+                batch = self.generate(items, seed=cfg.trainer.seed + 7919 * self.step + len(kept))
+            metrics["timing_s/reshard"] = metrics.get("timing_s/reshard", 0.0) + self.resharder.last_timing
             scores, extras, errors = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
             shaped = scores + alg.compute_overlong_penalty(batch.response_mask.sum(-1), cfg.data.max_response_length,
@@ -600,8 +602,7 @@ class Trainer:
                                self.cfg.actor.max_tokens_per_micro_batch, lay.dp, lay.dp_rank, self.device)
         if role.optim is not None:  # its offloaded Adam state comes back under these passes (inputs copied first)
             role.optim.prefetch()
-        with torch.no_grad():
-            outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)
+        outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)  # (without grad)
         full = torch.zeros(len(batch), R, device=self.device)
         for mb, o in zip(mbs, outs) if lay.is_last_stage and lay.tp_rank == 0 else []:
             full[mb["rows"]] = scatter_rows(mb, o["out"].float(), R)
@@ -611,8 +612,7 @@ class Trainer:
         """`<name>.ppo_epochs` x mini-batches of optimizer steps of the actor or critic; loss_fn(model, hidden, mb,
         denom) -> (loss, metrics). Returns the loss metrics averaged over the steps, `<name>/grad_norm`, `<name>/lr`."""
         cfg, lay, role, rc = self.cfg, self.layout, getattr(self, name), getattr(self.cfg, name)
-        mini, per_step, skipped = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, [], 0  # rows per mini-batch; metrics
-        o = rc.optim
+        mini, per_step, skipped, o = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, [], 0, rc.optim  # mini: rows
         lr = lr_at(self.step, cfg.trainer.total_steps, o.lr, o.lr_warmup_steps, o.lr_schedule, o.min_lr_ratio)
         for _ in range(rc.ppo_epochs if rc.ppo_epochs > 0 else cfg.actor.ppo_epochs):  # -1: the actor's
             for start in range(0, len(batch), mini):
@@ -637,8 +637,7 @@ class Trainer:
                     skipped += 1
                     continue
                 role.optim.step(lr)
-                # summed over micro-batches, then over the world as objects: ranks off the last stage
-                # (which contribute nothing) do not know the metric names
+                # summed over micro-batches, then the world (as objects: other ranks do not know the metric names)
                 mine = sum_dicts(outs if lay.is_last_stage and lay.tp_rank == 0 else [])
                 per_step.append({**sum_dicts(all_gather_objects(mine)), f"{name}/grad_norm": gnorm})
         return {**{k: v / len(per_step) for k, v in sum_dicts(per_step).items()}, f"{name}/lr": lr,
@@ -648,7 +647,6 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, al, t_start = self.cfg, self.cfg.algorithm, time.perf_counter()
         batch, metrics = self.rollout_batch()
-        metrics["timing_s/reshard"] = self.resharder.last_timing
         T, mask = batch.tensors, batch.response_mask
         resp_len, scores = mask.sum(-1), T["seq_reward"]
         rewards = torch.zeros_like(mask)  # the outcome reward sits on the last response token
@@ -693,10 +691,12 @@ class Trainer:
             ("critic/returns", ret), ("response_length", resp_len), ("prompt_length", plen))}
         m.update({"response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
                   "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["timing_s/step"] / self.world})
-        # actor update FLOPs: 6N per token (forward + backward) + causal attention, per PPO epoch
+        # a GPU's actor update FLOPs per epoch: 6 per weight and token (LM head: response tokens only) + attention
         attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float(((resp_len + plen) ** 2).sum()) / 2
-        flops = (6 * c.num_params(with_embedding=False) * tokens + attn) * cfg.actor.ppo_epochs / self.world  # a GPU's
-        m["perf/mfu/actor"] = flops / max(timing["timing_s/update_actor"], 1e-9) / (cfg.trainer.peak_tflops * 1e12)
+        head = c.vocab_size * c.hidden_size
+        flops = (6 * ((c.num_params(with_embedding=False) - head) * tokens + head * float(resp_len.sum())) + attn)
+        m["perf/mfu/actor"] = flops * cfg.actor.ppo_epochs / self.world / max(timing["timing_s/update_actor"], 1e-9) \
+            / (cfg.trainer.peak_tflops * 1e12)
         if self.device.type == "cuda":
             m["perf/max_memory_allocated_gb"] = max(timing.get("perf/max_memory_allocated_gb", 0.0),
                                                     torch.cuda.max_memory_allocated(self.device) / 2 ** 30)
@@ -710,7 +710,7 @@ class Trainer:
         by_src, records = {}, []  # scores by data source; the first 64 samples, written out
         for start in range(0, n, cfg.data.val_batch_size):
             items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
-            batch = self.generate(items, cfg.rollout.val_temperature, cfg.rollout.val_n, seed=cfg.trainer.seed)
+            batch = self.generate(items, seed=cfg.trainer.seed + start, val=True)  # a seed per batch, each validation
             scores = self.score(batch)[0]
             texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
             for i in range(len(batch)):
@@ -760,8 +760,8 @@ class Trainer:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_text(os.path.join(root, "latest"), str(self.step))
-            keep = self.cfg.trainer.keep_last_k
-            for s in _saved_steps(root)[:-keep] if keep > 0 else []:
+            keep, done = self.cfg.trainer.keep_last_k, [s for s in _saved_steps(root) if s <= self.step]
+            for s in done[:-keep] if keep > 0 else []:  # (a later one: a crashed run's, unpublished, to be redone)
                 shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
         barrier()
 

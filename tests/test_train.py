@@ -58,6 +58,15 @@ def test_unknown_key_names_nearest(synth, tmp_path):
         train.load_config(CONFIG, overrides(synth, tmp_path, "actor.loss_agg_mode=mean"))
 
 
+def test_an_override_inside_a_section_keeps_its_other_defaults(synth, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"actor: {{model_path: {synth}/model}}\ndata: {{train_files: [{synth}/train.parquet]}}\n"
+                    "critic: {optim: {weight_decay: 0.0}}\nrollout: {n: 2}\n")
+    cfg = train.load_config(str(path), ["critic.optim.grad_clip=0.5"])
+    assert (cfg.critic.optim.weight_decay, cfg.critic.optim.grad_clip) == (0.0, 0.5)
+    assert cfg.critic.optim.lr == 1e-5 and cfg.actor.optim.lr == 1e-6  # the critic's default, not OptimConfig's
+
+
 def test_impossible_layout_fails_fast(synth, tmp_path):
     with pytest.raises(ValueError, match="not divisible by tp=3|world size 1 is not divisible"):
         train.main([CONFIG, *overrides(synth, tmp_path, "parallel.train.tp=3")])
@@ -244,6 +253,20 @@ def test_sigkill_while_saving_keeps_the_last_checkpoint(small_synth, tmp_path):
     rows = run(small_synth, out, *common)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4]  # the killed run logged 3 and 4; the resumed one redid them
     assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_4"]
+
+
+def test_pruning_keeps_the_checkpoint_just_saved_beside_an_unpublished_later_one(small_synth, tmp_path):
+    """A crash between publishing step_4 and writing `latest` leaves step_4 beside latest = 2; auto-resume redoes
+    steps 3-4. With keep_last_k=1 its save of step 3 must survive, whatever step_4's number says."""
+    out, ckpts = str(tmp_path), os.path.join(str(tmp_path), "checkpoints")
+    run(small_synth, out, "trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
+        "trainer.keep_last_k=0")
+    with open(os.path.join(ckpts, "latest"), "w") as f:
+        f.write("2")
+    run(small_synth, out, "trainer.total_steps=3", "trainer.save_freq=3", "trainer.test_freq=-1",
+        "trainer.keep_last_k=1", "trainer.resume=auto")
+    assert open(os.path.join(ckpts, "latest")).read() == "3"
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_3", "step_4"]
 
 
 def _nan_on_rank(rank, world, synth, out, bad_rank, max_skips):
