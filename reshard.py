@@ -183,7 +183,7 @@ class Resharder:
     def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizers=(), seed: int = 0,
                  bucket_bytes: int = 1 << 30):
         self.model, self.layout, self.optimizers = model, layout, list(offload_optimizers)
-        validate_generation_layout(model.cfg, layout.world_size, layout.tp, layout.pp, tp_g, f"rollout tp={tp_g}")
+        validate_layout(model.cfg, tp_g, 1, layout.world_size, name=f"rollout tp={tp_g}")  # the layout: just below
         self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
         self.c_me = layout.tp_rank % self.k  # this rank's block in a merge; a narrowing rank keeps slice dp_rank % n

@@ -188,7 +188,7 @@ def math_dapo_score(solution_str: str, ground_truth: str) -> dict:
     found = re.findall(r"(?i)answer\s*:\s*([^\n]+)", solution_str[-_SOLUTION_CLIP_CHARS:])
     pred = normalize_final_answer(found[-1]) if found else "[INVALID]"
     truth = normalize_final_answer(remove_boxed(last_boxed_only_string(ground_truth) or ground_truth))
-    correct = bool(found) and (pred == truth or is_equiv(pred, truth))
+    correct = bool(found) and is_equiv(pred, truth)  # (equal strings are equivalent)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
