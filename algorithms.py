@@ -142,7 +142,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     """REINFORCE++: G_t = r_t + gamma G_{t+1} (reset at masked tokens); A = whiten(G) over the batch.
     Returns (A, G), G being the (unwhitened) discounted returns to go."""
     mask = response_mask.to(token_level_rewards.dtype)
-    rewards = token_level_rewards * mask
+    rewards = torch.where(response_mask.bool(), token_level_rewards, 0.0)  # (padding may hold nan)
     returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         running = (rewards[:, t] + gamma * running) * mask[:, t]  # padding before a token must not carry its return
@@ -362,7 +362,7 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tenso
     The batch KL is mean_i (mean_t kl_{i,t}), the mean per-sequence KL, and the controller steps by n_steps = batch
     size. Call it on the full batch (identical on every rank) so the controllers of all ranks stay in lockstep."""
     mask = response_mask.to(token_level_scores.dtype)
-    kld = _kl_estimate(old_log_prob, ref_log_prob, kl_penalty) * mask
+    kld = torch.where(response_mask.bool(), _kl_estimate(old_log_prob, ref_log_prob, kl_penalty), 0.0)
     beta = kl_ctrl.value
     token_level_rewards = token_level_scores - beta * kld
     current_kl = float(masked_mean(kld, mask, dim=-1).mean())

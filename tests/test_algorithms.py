@@ -545,6 +545,22 @@ def test_apply_kl_penalty():
     assert math.isclose(ctl.value, 0.1 * 1.004)
 
 
+def test_padding_holding_nan_or_inf_changes_nothing():
+    """Padding may hold anything (a pad token's log-prob can be -inf): the estimators and the KL in reward must
+    select the valid tokens, not multiply by the mask (0 * nan = nan)."""
+    r, m, index, g = random_batch(3)
+    v, bad_r = torch.randn(r.shape, generator=g), torch.where(m.bool(), r, torch.nan)
+    for est in A.ADV_ESTIMATORS:
+        kw = dict(index=index, values=v)
+        want, got = A.compute_advantage(est, r * m, m, **kw), A.compute_advantage(est, bad_r, m, **kw)
+        assert all(torch.equal(w * m, g * m) for w, g in zip(want, got)), est
+    old, ref = torch.randn(r.shape, generator=g), torch.randn(r.shape, generator=g)
+    for bad in (torch.nan, -torch.inf):
+        got, gm = A.apply_kl_penalty(r * m, torch.where(m.bool(), old, bad), ref, m, A.FixedKLController(0.1))
+        want, wm = A.apply_kl_penalty(r * m, old, ref, m, A.FixedKLController(0.1))
+        assert torch.equal(got, want) and gm == wm
+
+
 # --------------------------------------------------------------------------- DAPO, rollout correction
 
 
@@ -589,3 +605,84 @@ def test_rollout_is_weights_and_metrics():
     assert math.isclose(metrics["training/rollout_probs_diff_mean"], 0.175)
     assert math.isclose(metrics["training/rollout_probs_diff_max"], 0.3)
     assert math.isclose(metrics["training/rollout_probs_diff_std"], 0.125 * math.sqrt(2))  # unbiased, as verl
+
+
+def test_ppo_loss_log_ratio_is_clamped_to_plus_minus_20():
+    # log ratios 1000, 1000, 1000, -15 with A = 1, -1, 0, 1 (verl: rho = exp(clamp(logp - logp_old, -20, 20)))
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[1000.0, 1000.0, 1000.0, -15.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 0.0, 1.0]])
+    m = torch.ones(1, 4)
+    loss, metrics = A.compute_policy_loss(old, logp, adv, m, 4, clip_ratio_c=3.0)
+    # t0: max(-e^20, -1.2) = -1.2 (clipped) | t1: max(e^20, 1.2) -> dual clip 3 | t2: A = 0 -> 0 (not 0 * inf = nan)
+    # t3: rho = e^-15 inside the clamp: max(-e^-15, -0.8) = -e^-15, unclipped
+    assert approx(loss.detach(), (-1.2 + 3.0 + 0.0 - math.exp(-15)) / 4, 1e-12)
+    assert approx(metrics["ppo_kl"], -(20 + 20 + 20 - 15) / 4)  # -log ratio, clamped as verl does
+    assert approx(metrics["pg_clipfrac"], 1 / 4) and approx(metrics["pg_clipfrac_lower"], 1 / 4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(grad).all()
+    assert approx(grad, [[0.0, 0.0, 0.0, -math.exp(-15) / 4]], 1e-15)
+
+
+def test_k3_has_a_finite_zero_gradient_at_huge_log_ratios():
+    # x = logp - ref = -1000: exp(-x) overflows unless -x is clamped at 20 first (verl's low_var_kl); the result is
+    # clamped to 10 either way, so the gradient must be exactly 0, not 0 * inf = nan
+    logp = torch.tensor([-1000.0, 1000.0, 0.3], requires_grad=True)
+    k3 = A.kl_penalty(logp, torch.zeros(3), "low_var_kl")
+    assert approx(k3.detach(), [10.0, 10.0, math.exp(-0.3) + 0.3 - 1])
+    (grad,) = torch.autograd.grad(k3.sum(), logp)
+    assert torch.isfinite(grad).all()
+    assert approx(grad, [0.0, 0.0, 1 - math.exp(-0.3)])
+
+
+def test_cispo_clipfrac_counts_clipped_weights():
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.0, 2.0, 0.5]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, metrics = A.compute_policy_loss(old, logp, adv, torch.ones(1, 3), 3, policy_loss_mode="cispo",
+                                          clip_ratio_low=10.0, clip_ratio_high=0.28)
+    # weights clip(r, -9, 1.28) = 1, 1.28 (clipped), 0.5: one of three tokens clipped
+    assert approx(metrics["pg_clipfrac"], 1 / 3)
+    assert approx(metrics["pg_clipfrac_lower"], 0.0)
+    # L = -A w logp: 0, -1.28 log 2, +0.5 log 0.5
+    assert approx(loss, (-1.28 * math.log(2.0) + 0.5 * math.log(0.5)) / 3)
+
+
+def test_value_loss_in_sequence_modes_and_its_clipfrac_per_token():
+    values = torch.zeros(2, 3)
+    vpreds = torch.tensor([[1.0, 0.2, 9.0], [-1.0, 9.0, 9.0]])
+    returns = torch.tensor([[2.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    m = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
+    # cliprange 0.5 around V_old = 0:
+    #   (0,0): V 1 -> 0.5: max((1-2)^2, (0.5-2)^2) = 2.25, clipped branch larger
+    #   (0,1): V 0.2 stays: 0.04 both                  (1,0): V -1 -> -0.5: max(4, 2.25) = 4
+    per_row_sum, per_row_mean = [2.25 + 0.04, 4.0], [(2.25 + 0.04) / 2, 4.0]
+    cases = {"token-mean": (3, sum(per_row_sum) / 3), "seq-mean-token-sum": (2, sum(per_row_sum) / 2),
+             "seq-mean-token-mean": (2, sum(per_row_mean) / 2),
+             "seq-mean-token-sum-norm": (2, sum(per_row_sum) / (2 * 5))}
+    for mode, (denom, expected) in cases.items():
+        loss, clipfrac = A.compute_value_loss(vpreds, values, returns, m, denom, cliprange_value=0.5,
+                                              loss_agg_mode=mode, horizon=5, global_tokens=3)
+        assert approx(loss, 0.5 * expected), mode
+        assert approx(clipfrac, 1 / 3), mode  # 1 clipped token of 3 valid tokens, not of 2 sequences
+
+
+def test_adaptive_kl_controller_clips_an_undershoot_at_minus_20_percent():
+    ctl = A.AdaptiveKLController(init_kl_coef=1.0, target_kl=6.0, horizon=100)
+    ctl.update(current_kl=0.0, n_steps=50)  # error clip(-1, -0.2, 0.2) = -0.2 -> x(1 - 0.2 * 0.5) = 0.9
+    assert math.isclose(ctl.value, 0.9)
+
+
+def test_overlong_buffer_longer_than_max_response_length_is_rejected():
+    lengths = torch.tensor([10, 20])
+    with pytest.raises(ValueError, match=r"overlong_buffer.len=21 must be in \(0, max_response_length=20\]"):
+        A.compute_overlong_penalty(lengths, 20, 21, 1.0)
+    # the boundary len == max is allowed: penalty -len / 20
+    assert approx(A.compute_overlong_penalty(lengths, 20, 20, 1.0), [-0.5, -1.0], 1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_estimators_need_index(estimator):
+    r, m = torch.zeros(2, 2), torch.ones(2, 2)
+    with pytest.raises(ValueError, match=f"{estimator}.*needs the group ids"):
+        A.compute_advantage(estimator, r, m)

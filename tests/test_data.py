@@ -404,3 +404,88 @@ def test_synthetic_cli(tmp_path):
         ids = tok(r["prompt"][0]["content"], add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == r["prompt"][0]["content"] and len(ids) == 6
     assert len({r["reward_model"]["ground_truth"] for r in copy_rows}) > 5
+
+
+@pytest.mark.parametrize("other", [dict(seed=12), dict(shuffle=False)])
+def test_sampler_refuses_state_of_another_seed_or_shuffle(other):
+    s = data.Sampler(10, 3, seed=11)
+    s.next_indices()
+    kw = {"seed": 11, **other}
+    key = next(iter(other))
+    with pytest.raises(ValueError, match=f"sampler state has {key}="):
+        data.Sampler(10, 3, **kw).load_state_dict(s.state_dict())
+
+
+def test_first_fit_uses_a_micro_batch_filled_exactly_to_the_budget():
+    # FFD, budget 10: 6 -> mb0 (4 left), 5 -> mb1 (5 left), 5 -> mb1 (exactly full), 4 -> mb0 (exactly full)
+    assert data.pack_micro_batches([6, 4, 5, 5], 10, 1) == [[[0, 1], [2, 3]]]
+
+
+def test_rank_with_fewer_micro_batches_splits_its_heaviest():
+    # LPT (desc, ties by index): 9(i3)->r0, 7(i2)->r1, 6(i5)->r1, 5(i0)->r0 (9<13), 5(i4)->r1 (13<14),
+    # 1(i1)->r0, 1(i6)->r0: r0 = {9, 5, 1, 1}, r1 = {7, 6, 5}.
+    # FFD, budget 10: r0 [9(i3), 1(i1)] (10 tokens), [5(i0), 1(i6)] (6); r1 [7], [6], [5] -> r0 needs a 3rd:
+    # it splits its heaviest micro-batch [i3, i1] into [i3], [i1]
+    assert data.pack_micro_batches([5, 1, 7, 9, 5, 6, 1], 10, 2) == [[[0, 6], [3], [1]], [[2], [5], [4]]]
+
+
+def test_pack_rejects_a_negative_length():
+    with pytest.raises(ValueError, match="sequence 1 has negative length -1"):
+        data.pack_micro_batches([3, -1], 10, 1)
+
+
+def test_micro_batch_positions_and_scatter_hand():
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    responses = [[7, 8, 9], [10], [11, 12]]
+    mb = data.micro_batch(prompts, responses, [2, 0])
+    # packed: [4 5 6 11 12 | 1 2 7 8 9]; the logits at position p predict token p+1, so response tokens are
+    # predicted at 2, 3 (row 0 = dataset row 2) and 6, 7, 8 (row 1 = dataset row 0)
+    assert mb["input_ids"].tolist() == [4, 5, 6, 11, 12, 1, 2, 7, 8, 9]
+    assert mb["sel"].tolist() == [2, 3, 6, 7, 8]
+    assert mb["row"].tolist() == [0, 0, 1, 1, 1] and mb["col"].tolist() == [0, 1, 0, 1, 2]
+    assert mb["targets"].tolist() == [11, 12, 7, 8, 9] and mb["row_ids"] == [2, 0]
+    out = data.scatter_rows(mb, mb["targets"].double(), 4)
+    assert out.tolist() == [[11, 12, 0, 0], [7, 8, 9, 0]]
+    # dp_micro_batches maps the packer's positions back to the dataset rows it was given
+    (only,) = data.dp_micro_batches(prompts, responses, [2, 0], max_tokens=100, dp_size=1, dp_rank=0)
+    assert only["row_ids"] == [2, 0] and only["targets"].tolist() == [11, 12, 7, 8, 9]
+
+
+def test_middle_truncation_of_an_odd_length_keeps_the_shorter_half_first(tmp_path, tok):
+    msgs = [{"role": "user", "content": "x" * 40 + "END"}]
+    full = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    f = write_rows(tmp_path / "a.parquet", [{**row(""), "prompt": msgs}])
+    n = 21  # verl: left_half = n // 2 = 10 tokens from the start, right_half = n - left_half = 11 from the end
+    ds = data.PromptDataset([f], tok, n, truncation="middle", filter_overlong=False)
+    assert ds[0]["prompt_ids"] == full[:10] + full[-11:]
+
+
+def test_cache_key_depends_on_filter_overlong(tmp_path, tok):
+    f = write_rows(tmp_path / "d.parquet", [row("hi"), row("y" * 50)])
+    kept = data.PromptDataset([f], tok, 30, truncation="left", filter_overlong=False)
+    assert len(kept) == 2 and kept.num_filtered == 0
+    filtered = data.PromptDataset([f], tok, 30, truncation="left", filter_overlong=True)
+    assert filtered.cache_path != kept.cache_path and len(filtered) == 1 and filtered.num_filtered == 1
+
+
+def test_lock_of_another_host_is_never_judged_stale(tmp_path, tok):
+    f = write_rows(tmp_path / "d.parquet", [row("hi")])
+    probe = data.PromptDataset([f], tok, 64)
+    os.remove(probe.cache_path)
+    lock = probe.cache_path + ".lock"
+    with open(lock, "w") as fh:  # a pid that exists on no host of ours: only the timeout may free another node's lock
+        fh.write(f"some-other-node-not-{os.uname().nodename} {2 ** 30}")
+    with pytest.raises(TimeoutError):
+        data.PromptDataset([f], tok, 64, lock_timeout=0.3)
+    assert os.path.exists(lock)
+
+
+def test_prepare_gsm8k_drops_commas_from_the_final_answer(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for split in ("train", "test"):
+        (src / f"{split}.jsonl").write_text(json.dumps({"question": "q?", "answer": "a lot\n#### 1,234"}) + "\n")
+    data.prepare_gsm8k(str(src), str(out))
+    for split in ("train", "test"):
+        (r,) = pq.read_table(str(out / f"{split}.parquet")).to_pylist()
+        assert r["reward_model"]["ground_truth"] == "1234"

@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import sys
 
 import pytest
 
@@ -238,3 +239,51 @@ def test_score_batch(caplog):
         R.score_batch(lambda **kw: "1.0", ["weird/source"], ["a"], ["a"], [None])
     with pytest.raises(TypeError, match="weird/source"):
         R.score_batch(lambda **kw: {"acc": 1.0}, ["weird/source"], ["a"], ["a"], [None])
+
+
+def test_answers_are_read_from_the_last_300_characters_exactly():
+    # verl's gsm8k (_SOLUTION_CLIP_CHARS = 300) and DAPO (solution_str[-300:]) both look at the last 300 characters
+    assert R.gsm8k_score("#### 7" + "x" * 294, "7") == 1.0  # 300 characters: the marker is inside
+    assert R.gsm8k_score("#### 7" + "x" * 295, "7") == 0.0  # 301: the first "#" is cut off
+    assert R.compute_score("math_dapo", "Answer: 42\n" + "y" * 289, "42")["score"] == 1.0  # 300 characters
+    assert R.compute_score("math_dapo", "Answer: 42\n" + "y" * 290, "42")["score"] == -1.0  # "A" cut off
+
+
+def test_gsm8k_flexible_ignores_punctuation_only_matches():
+    # "..." matches the number pattern but holds no digit: the last *number* is 42
+    assert R.gsm8k_score("so the total is 42 ...", "42", method="flexible") == 1.0
+
+
+def test_gsm8k_ground_truth_commas_are_dropped():
+    assert R.gsm8k_score("#### 1234", "1,234") == 1.0
+
+
+@pytest.mark.parametrize("a, b, expected", [
+    ("1.05", "15", False),  # only trailing zeros after the point go: 72.0 -> 72, but 1.05 stays 1.05
+    ("1.05", "1.050", True),  # equal as rationals
+    ("AB=5", "5", True),  # a left-hand side of up to 2 characters is dropped (verl's strip_string)
+])
+def test_math_equivalence_more(a, b, expected):
+    assert R.is_equiv(a, b) is expected
+    assert R.is_equiv(b, a) is expected
+
+
+def test_math_ground_truth_given_as_a_solution_uses_its_last_box():
+    assert R.math_score("\\boxed{3}", "so the answer is \\boxed{3}.") == 1.0
+    assert R.math_score("\\boxed{3}", "first \\boxed{2}, finally \\boxed{3}.") == 1.0
+
+
+def test_load_reward_fn_rejects_a_scorer_without_extra_info(tmp_path):
+    # score_batch calls scorers with extra_info=...: a 3-parameter scorer would fail on every sample
+    path = tmp_path / "three.py"
+    path.write_text("def score(data_source, solution_str, ground_truth):\n    return 1.0\n")
+    with pytest.raises(TypeError, match="data_source, solution_str, ground_truth, extra_info"):
+        R.load_reward_fn(f"{path}:score")
+
+
+def test_failed_reward_import_leaves_no_half_initialised_module(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("import nanorl_no_such_module\n")
+    with pytest.raises(ImportError, match="failed to import"):
+        R.load_reward_fn(f"{path}:score")
+    assert not [k for k, v in list(sys.modules.items()) if getattr(v, "__file__", None) == str(path)]
