@@ -324,14 +324,12 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
                          f".len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{src('data.train_batch_size', 'actor.ppo_mini_batch_size')}: data.train_batch_size="
-                         f"{d.train_batch_size} must be a multiple of actor.ppo_mini_batch_size="
-                         f"{a.ppo_mini_batch_size}")
+                         f"{d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
     if (est := cfg.algorithm.adv_estimator) in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
         raise ValueError(f"{src('algorithm.adv_estimator', 'rollout.n')}: algorithm.adv_estimator={est} compares "
                          f"the rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
     if (ris := cfg.algorithm.rollout_is).bypass_mode and ris.enable:  # pi_old = pi_rollout: the weights would be 1
-        raise ValueError(f"{src('algorithm.rollout_is')}: algorithm.rollout_is.enable and .bypass_mode exclude "
-                         "each other")
+        raise ValueError(f"{src('algorithm.rollout_is')}: algorithm.rollout_is.enable and bypass_mode are exclusive")
     if a.policy_loss_mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":  # (verl imposes it)
         raise ValueError(f"{src('actor.policy_loss_mode', 'actor.loss_agg_mode')}: actor.policy_loss_mode=gspo needs "
                          f"actor.loss_agg_mode=seq-mean-token-mean (its sequence-level ratio), got {a.loss_agg_mode}")
@@ -426,9 +424,8 @@ def actor_loss_fn(cfg: Config, layout, batch: Batch):
 
     def fn(m, hidden, mb, denom):
         rows, dev = mb["row_ids"], hidden.device
-        logp_t, ent_t = vocab_parallel_logprobs(m.logits(hidden[mb["sel"]]), mb["targets"], layout.tp_group,
-                                                cfg.rollout.temperature, with_entropy=True)
-        logp, ent = scatter_rows(mb, logp_t, R), scatter_rows(mb, ent_t, R)
+        logp, ent = (scatter_rows(mb, x, R) for x in vocab_parallel_logprobs(
+            m.logits(hidden[mb["sel"]]), mb["targets"], layout.tp_group, cfg.rollout.temperature, with_entropy=True))
         mask = batch.response_mask[rows].to(dev)
         is_w = T["rollout_is_weights"][rows].to(dev) if "rollout_is_weights" in T else None
         pg_loss, pm = alg.compute_policy_loss(
@@ -436,11 +433,9 @@ def actor_loss_fn(cfg: Config, layout, batch: Batch):
             loss_agg_mode=a.loss_agg_mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
             clip_ratio_c=a.clip_ratio_c, policy_loss_mode=a.policy_loss_mode, horizon=R, rollout_is_weights=is_w,
             global_tokens=denom["tokens"])
-        entropy = alg.agg_loss(ent, mask, "token-mean", denom["tokens"])
         loss = pg_loss - a.entropy_coeff * alg.agg_loss(ent, mask, a.loss_agg_mode, denom["agg"], horizon=R) \
             if a.entropy_coeff else pg_loss
-        out = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-               **{f"actor/{k}": v.detach() for k, v in pm.items()}}
+        out = {"actor/pg_loss": pg_loss.detach(), **{f"actor/{k}": v.detach() for k, v in pm.items()}}
         if a.use_kl_loss:
             kl = alg.kl_penalty(logp, T["ref_log_probs"][rows].to(dev), a.kl_loss_type)
             kl_loss = alg.agg_loss(kl, mask, a.loss_agg_mode, denom["agg"], horizon=R)
@@ -556,9 +551,8 @@ class Trainer:
         fg, ob, n = cfg.algorithm.filter_groups, cfg.algorithm.overlong_buffer, cfg.rollout.n
         while num_prompts < cfg.data.train_batch_size:
             if fg.enable and 0 < fg.max_num_gen_batches <= len(kept):
-                raise RuntimeError(f"algorithm.filter_groups: only {num_prompts} of {cfg.data.train_batch_size} "
-                                   f"prompts had varied {fg.metric!r} after {len(kept)} generation batches "
-                                   "(algorithm.filter_groups.max_num_gen_batches); raise it or check the rewards")
+                raise RuntimeError(f"algorithm.filter_groups: {num_prompts} of {cfg.data.train_batch_size} prompts had "
+                                   f"varied {fg.metric!r} in {len(kept)} batches (.max_num_gen_batches); check rewards")
             items = self.train_data.get_batch(self.sampler.next_indices())
             with timed(metrics, "gen"):
                 batch = self.generate(items, seed=cfg.trainer.seed + 7919 * self.step + len(kept))
@@ -590,22 +584,23 @@ class Trainer:
 
     # --- forward passes and updates in the training layout
     def forward_only(self, role: Role, batch: Batch, values: bool = False) -> torch.Tensor:
-        """The responses' log-probs (or, with `values`, the critic's values) as [B, R] on every rank; forward only."""
+        """[K, B, R] on every rank, forward only: the responses' log-probs and entropies (K = 2) or, with
+        `values`, the critic's values (K = 1)."""
         lay, R = self.layout, batch.response_mask.shape[1]
 
         def fn(m, hidden, mb):
             h = hidden[mb["sel"]]
-            out = m.values(h) if values else vocab_parallel_logprobs(m.logits(h), mb["targets"], lay.tp_group,
-                                                                     self.cfg.rollout.temperature)[0]
-            return hidden.new_zeros(()), {"out": out}
+            out = (m.values(h),) if values else vocab_parallel_logprobs(
+                m.logits(h), mb["targets"], lay.tp_group, self.cfg.rollout.temperature, with_entropy=True)
+            return hidden.new_zeros(()), {"out": torch.stack(out)}
         mbs = dp_micro_batches(batch.prompts, batch.responses, list(range(len(batch))),
                                self.cfg.actor.max_tokens_per_micro_batch, lay.dp, lay.dp_rank, self.device)
         if role.optim is not None:  # its offloaded Adam state comes back under these passes (inputs copied first)
             role.optim.prefetch()
         outs = pipeline_forward_backward(role.model, lay, mbs, fn, forward_only=True)  # (without grad)
-        full = torch.zeros(len(batch), R, device=self.device)
+        full = torch.zeros(1 if values else 2, len(batch), R, device=self.device)
         for mb, o in zip(mbs, outs) if lay.is_last_stage and lay.tp_rank == 0 else []:
-            full[mb["rows"]] = scatter_rows(mb, o["out"].float(), R)
+            full[:, mb["rows"]] = torch.stack([scatter_rows(mb, x, R) for x in o["out"].float()])
         return world_all_reduce(full).cpu()  # the other ranks add their zeros
 
     def update(self, name: str, batch: Batch, loss_fn) -> dict[str, float]:
@@ -631,8 +626,7 @@ class Trainer:
                     if self.nonfinite_skips > cfg.trainer.max_nonfinite_skips:
                         raise FloatingPointError(f"non-finite {name} grad norm {gnorm} at step {self.step + 1}, "
                                                  f"over trainer.max_nonfinite_skips={cfg.trainer.max_nonfinite_skips}")
-                    print(f"[nanorl] step {self.step + 1}: non-finite {name} grad norm, optimizer step skipped",
-                          file=sys.stderr, flush=True)
+                    print(f"[nanorl] step {self.step + 1}: non-finite {name} grad norm; step skipped", file=sys.stderr)
                     role.optim.zero_grad()
                     skipped += 1
                     continue
@@ -655,17 +649,19 @@ class Trainer:
             T["old_log_probs"] = batch.rollout_log_probs
         else:
             with timed(metrics, "old_log_prob"):
-                T["old_log_probs"] = self.forward_only(self.actor, batch)
+                T["old_log_probs"], ent = self.forward_only(self.actor, batch)
             metrics.update(alg.rollout_mismatch_metrics(T["old_log_probs"], batch.rollout_log_probs, mask))
+            mode, R = cfg.actor.loss_agg_mode, mask.shape[1]  # verl's actor/entropy: pi_old's, aggregated as the loss
+            metrics["actor/entropy"] = float(alg.agg_loss(ent, mask, mode, alg.loss_denominator(mask, mode), R))
         if al.rollout_is.enable:
             T["rollout_is_weights"] = alg.compute_rollout_is_weights(T["old_log_probs"], batch.rollout_log_probs,
                                                                      mask, al.rollout_is.threshold, al.rollout_is.level)
         if self.ref is not None:
             with timed(metrics, "ref"):
-                T["ref_log_probs"] = self.forward_only(self.ref, batch)
+                T["ref_log_probs"] = self.forward_only(self.ref, batch)[0]
         if self.critic is not None:
             with timed(metrics, "values"):
-                T["values"] = self.forward_only(self.critic, batch, values=True)
+                T["values"] = self.forward_only(self.critic, batch, values=True)[0]
         if al.use_kl_in_reward:
             rewards, km = alg.apply_kl_penalty(rewards, T["old_log_probs"], T["ref_log_probs"], mask, self.kl_ctrl,
                                                al.kl_penalty)
@@ -830,13 +826,18 @@ class Trainer:
                 self.step += 1
                 last = self.step == tc.total_steps
                 if self.val_data is not None and tc.test_freq > 0 and (self.step % tc.test_freq == 0 or last):
-                    metrics.update(self.validate())
-                logger.log(self.step, metrics)
-                bar.update(1)
+                    with timed(metrics, "testing"):
+                        metrics.update(self.validate())
                 # a SIGTERM on any rank stops all of them, after the same step
                 sigterm = bool(world_all_reduce(torch.tensor([float(stop["sigterm"])], device=self.device)).item())
                 if sigterm or (tc.save_freq > 0 and (self.step % tc.save_freq == 0 or last)):
-                    self.save_checkpoint()
+                    with timed(metrics, "save_checkpoint"):
+                        self.save_checkpoint()
+                extra = sum(metrics.get(f"timing_s/{k}", 0.0) for k in ("testing", "save_checkpoint"))  # in verl's step
+                metrics["perf/throughput"] *= metrics["timing_s/step"] / (metrics["timing_s/step"] + extra)
+                metrics["timing_s/step"] += extra
+                logger.log(self.step, metrics)
+                bar.update(1)
                 if sigterm:
                     print(f"[nanorl] SIGTERM: checkpoint of step {self.step} saved; exiting", flush=True)
                     break
@@ -869,8 +870,7 @@ class Logger:
     def log(self, step: int, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.jsonl.flush()
+            print(json.dumps({"step": step, **metrics}), file=self.jsonl, flush=True)
         if self.console:
             short = " ".join(f"{name}={metrics[k]:.4g}" for k, name in self.CONSOLE.items() if k in metrics)
             val = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("val-core"))

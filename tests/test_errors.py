@@ -310,13 +310,13 @@ CASES = [
     Case("config-batch-not-multiple", "data.train_batch_size=24 (ppo_mini_batch_size 16)",
          _cfg("data.train_batch_size=24"), ValueError,
          r"override 'data\.train_batch_size=24': "
-         r"data\.train_batch_size=24 must be a multiple of actor\.ppo_mini_batch_size=16"),
+         r"data\.train_batch_size=24 is not a multiple of actor\.ppo_mini_batch_size=16"),
     Case("config-grpo-n1", "rollout.n=1 with adv_estimator grpo", _cfg("rollout.n=1"), ValueError,
          r"override 'rollout\.n=1': algorithm\.adv_estimator=grpo compares .*rollout\.n=1 must be >= 2"),
     Case("config-bypass-with-is", "algorithm.rollout_is.bypass_mode=true with .enable=true",
          _cfg("algorithm.rollout_is.bypass_mode=true", "algorithm.rollout_is.enable=true"), ValueError,
          r"override 'algorithm\.rollout_is\.enable=true': "
-         r"algorithm\.rollout_is\.enable and \.bypass_mode exclude each other"),
+         r"algorithm\.rollout_is\.enable and bypass_mode are exclusive"),
     Case("config-not-positive", "actor.ppo_epochs=0", _cfg("actor.ppo_epochs=0"), ValueError,
          r"override 'actor\.ppo_epochs=0': actor\.ppo_epochs=0 must be >= 1"),
     Case("config-bad-betas", "actor.optim.betas=[0.9]", _cfg("actor.optim.betas=[0.9]"), ValueError,

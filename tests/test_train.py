@@ -1,9 +1,11 @@
 """train.py end to end on the synthetic task: config errors, metrics, learning, layouts agree."""
+import copy
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -114,8 +116,43 @@ def test_bypass_mode_takes_pi_old_from_the_rollout(synth, tmp_path):
     assert "timing_s/old_log_prob" in plain and "training/rollout_probs_diff_max" in plain
     assert "timing_s/old_log_prob" not in bypass and "training/rollout_probs_diff_max" not in bypass
     assert plain["actor/ppo_kl"] == 0.0 and abs(bypass["actor/ppo_kl"]) < 1e-6
-    for k in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+    assert "actor/entropy" in plain and "actor/entropy" not in bypass  # pi_old's, from the pass bypass skips (verl)
+    for k in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
         assert abs(plain[k] - bypass[k]) <= 1e-5 * max(1.0, abs(plain[k])), (k, plain[k], bypass[k])
+
+
+def test_entropy_is_pi_olds_aggregated_as_the_loss(synth, tmp_path):
+    """actor/entropy as verl logs it: the entropy of softmax(logits / temperature) under the weights that generated,
+    aggregated by actor.loss_agg_mode; seq-mean-token-sum here (a sequence's sum over its tokens, then the mean over
+    sequences), which token-mean would miss by the response length. Reference: each sequence alone through a copy
+    of the model taken before the step, the entropy worked from log_softmax in float64."""
+    t = train.Trainer(train.load_config(CONFIG, overrides(synth, str(tmp_path), "rollout.temperature=0.7",
+                                                          "actor.loss_agg_mode=seq-mean-token-sum")))
+    before, seen, rollout = copy.deepcopy(t.actor.model), [], t.rollout_batch
+    t.rollout_batch = lambda: seen.append(rollout()) or seen[-1]
+    got = t.train_step()["actor/entropy"]
+    batch, per_seq = seen[0][0], []
+    with torch.no_grad():
+        for p, r in zip(batch.prompts, batch.responses):
+            if r:  # (an empty response is no sequence in the seq-* modes)
+                ids, n = torch.tensor(p + r), len(p) + len(r)
+                h = before.packed(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n)
+                logp = torch.log_softmax(before.logits(h)[len(p) - 1:n - 1].double() / 0.7, -1)
+                per_seq.append(float(-(logp.exp() * logp).sum()))
+    want = sum(per_seq) / len(per_seq)
+    assert max(len(r) for r in batch.responses) > 1 and abs(got - want) <= 1e-5 * want, (got, want)
+
+
+def test_step_time_and_throughput_include_validation_and_checkpointing(synth, tmp_path, monkeypatch):
+    """As verl's: timing_s/step covers the step's validation and checkpoint save (each made to take > 2.5 s here,
+    longer than the rest of a step), and perf/throughput is the step's tokens over that time (one process)."""
+    for name in ("validate", "save_checkpoint"):
+        monkeypatch.setattr(train.Trainer, name, lambda self, f=getattr(train.Trainer, name): time.sleep(2.5) or f(self))
+    plain, last = run(synth, str(tmp_path), "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2")
+    assert "timing_s/testing" not in plain and "timing_s/save_checkpoint" not in plain
+    assert last["timing_s/step"] > last["timing_s/testing"] + last["timing_s/save_checkpoint"] > 5
+    for r in (plain, last):
+        assert abs(r["perf/throughput"] * r["timing_s/step"] / r["perf/total_num_tokens"] - 1) < 1e-9
 
 
 def test_dapo_refill_keeps_groups_apart(synth, tmp_path):
@@ -202,14 +239,15 @@ def test_resume_is_exact(small_synth, tmp_path, monkeypatch, algo):
     full = run(small_synth, str(tmp_path / "full"), *common)
     common.append("actor.offload_optimizer=true")
     out = str(tmp_path / "resumed")
-    log = train.Logger.log
+    step = train.Trainer.train_step
 
-    def log_then_sigterm(self, step, metrics):
-        log(self, step, metrics)
-        if step == 3:
+    def step_then_sigterm(self):
+        metrics = step(self)
+        if self.step == 2:  # (the third step: the counter moves on after it)
             os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
 
-    monkeypatch.setattr(train.Logger, "log", log_then_sigterm)
+    monkeypatch.setattr(train.Trainer, "train_step", step_then_sigterm)
     first = run(small_synth, out, *common)
     assert [r["step"] for r in first] == [1, 2, 3]
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "3"
@@ -251,7 +289,8 @@ def test_sigkill_while_saving_keeps_the_last_checkpoint(small_synth, tmp_path):
     left = sorted(os.listdir(ckpts))
     assert left == ["latest", "step_2", "step_4.tmp"], (left, proc.stdout[-1500:])
     rows = run(small_synth, out, *common)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4]  # the killed run logged 3 and 4; the resumed one redid them
+    # the killed run logged 3 (4 died in its save, which comes before its metrics line); the resumed one redid them
+    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]
     assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_4"]
 
 
