@@ -22,7 +22,9 @@ MAX_NORM = 0.05
 # tp=2, pp=2, dp=2; tp=2 over one KV head (bias): replicated KV heads
 TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1), ("qwen2_kv1", 2, 1)]
 # tp2 x dp2, tp2 x pp2, pp2 x dp2; tp=4 over 2 KV heads with q/k norms (their TP-partial grads), tp2 x pp2 over one
-TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2), ("qwen3", 4, 1), ("qwen2_kv1", 2, 2)]
+# KV head; pp=4 tied, where the embedding's holders (first and last stage) are not the only stages
+TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2), ("qwen3", 4, 1), ("qwen2_kv1", 2, 2),
+              ("qwen2_tied", 1, 4)]
 BUCKET = 6000  # elements: ~30 buckets of "qwen3_odd", whose odd hidden size (63) makes some need padding
 
 
@@ -516,3 +518,66 @@ def test_fused_kernels_match_eager_cpu():
         gpu = fused(fn, inputs[0].cuda())(*[a.cuda() if torch.is_tensor(a) else a for a in inputs])
         for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (gpu, fn(*inputs)))):
             assert rel_err(a.float().cpu(), b.float()) <= 1e-2, fn.__name__
+
+
+def test_clip_grad_norm_leaves_small_gradients_alone_and_zero_only_measures(tmp_path):
+    """Against torch.nn.utils.clip_grad_norm_: below max_norm the gradient is not scaled (not scaled *up*), above it
+    scaled to max_norm; max_norm <= 0 returns the norm and leaves the gradient as it is."""
+    path = helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)
+    ids = torch.randint(0, helpers.TINY_VOCAB, (9,), generator=torch.Generator().manual_seed(0))
+
+    def grads_after(max_norm):
+        model = load_model(path)
+        opt = ShardedAdamW(model, make_layout(1, 1))
+        ref = load_model(path)
+        for m in (model, ref):
+            m.logits(m.packed(ids, torch.arange(9), torch.tensor([0, 9], dtype=torch.int32), 9)).logsumexp(-1).mean() \
+                .backward()
+        want_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm if max_norm > 0 else float("inf"))
+        got_norm = opt.clip_grad_norm(max_norm)
+        got = dict(zip((n for n, _, _ in opt.index), opt.views))
+        return got_norm, want_norm.item(), got, {n: p.grad for n, p in ref.named_parameters()}
+
+    norm = grads_after(0.0)[1]
+    for max_norm in (0.0, -1.0, 10 * norm, 0.5 * norm):
+        got_norm, want_norm, got, want = grads_after(max_norm)
+        assert got_norm == pytest.approx(want_norm, rel=1e-5)
+        for n, g in want.items():
+            assert torch.allclose(got[n], g, rtol=1e-5, atol=1e-9), (max_norm, n)
+
+
+def _schedule_body(rank, world, path, lens):
+    lay = make_layout(1, 2)
+    model = load_model(path, lay)
+    events, packed, backward = [], model.packed, torch.autograd.backward
+
+    def rec_packed(x, pos, cu, mx):
+        events.append(f"F{lens.index(pos.numel())}")
+        return packed(x, pos, cu, mx)
+
+    def rec_backward(tensors, grad_tensors=None, **kw):
+        events.append("B")
+        return backward(tensors, grad_tensors=grad_tensors, **kw)
+    model.packed, torch.autograd.backward = rec_packed, rec_backward
+    g = torch.Generator().manual_seed(0)
+    mbs = [{"input_ids": torch.randint(0, helpers.TINY_VOCAB, (n,), generator=g), "position_ids": torch.arange(n),
+            "cu_seqlens": torch.tensor([0, n], dtype=torch.int32), "max_seqlen": n} for n in lens]
+
+    def loss_fn(m, h, mb):
+        loss = m.logits(h).logsumexp(-1).sum()
+        return loss, {"loss": loss}
+    try:
+        pipeline_forward_backward(model, lay, mbs, loss_fn)
+    finally:
+        torch.autograd.backward = backward
+    return events
+
+
+def test_1f1b_order_pp2(tmp_path):
+    """pp=2, 4 micro-batches: stage 0 warms up with pp - 0 - 1 = 1 forward, then alternates, then drains (at most 2
+    micro-batches of activations alive); the last stage alternates from the start (module docstring's rule)."""
+    path = helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)
+    lens = [3, 4, 5, 6]
+    s0, s1 = helpers.run_distributed(_schedule_body, 2, path, lens)
+    assert s0 == ["F0", "F1", "B", "F2", "B", "F3", "B", "B"], s0
+    assert s1 == ["F0", "B", "F1", "B", "F2", "B", "F3", "B"], s1

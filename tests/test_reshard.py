@@ -484,3 +484,14 @@ def test_export_errors_and_its_temporary_directory(tmp_path, capsys):
     got = load_file(str(tmp_path / "out" / "model-00001-of-00001.safetensors"))
     want = load_file(os.path.join(path, "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_only_the_named_dp_rank_writes_a_shard(tmp_path):
+    """save_model_shard is called on every DP rank; only `writer` may write (two ranks writing the same file through
+    the same .tmp name would race)."""
+    m = load_model(helpers.make_checkpoint(str(tmp_path / "hf"), "llama", with_tokenizer=False))
+    for r in (0, 1):
+        os.makedirs(d := str(tmp_path / f"rank{r}"))
+        reshard.save_model_shard(m, Layout(dp=2, dp_rank=r), d, writer=1)
+    assert os.listdir(tmp_path / "rank0") == []
+    assert os.listdir(tmp_path / "rank1") == ["model_pp0_tp0.safetensors"]

@@ -12,6 +12,7 @@ import torch
 
 import helpers
 from data import prepare_synthetic
+from model import load_model
 import train
 
 METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "actor/pg_loss", "actor/pg_clipfrac",
@@ -147,7 +148,8 @@ def test_step_time_and_throughput_include_validation_and_checkpointing(synth, tm
     """As verl's: timing_s/step covers the step's validation and checkpoint save (each made to take > 2.5 s here,
     longer than the rest of a step), and perf/throughput is the step's tokens over that time (one process)."""
     for name in ("validate", "save_checkpoint"):
-        monkeypatch.setattr(train.Trainer, name, lambda self, f=getattr(train.Trainer, name): time.sleep(2.5) or f(self))
+        slow = lambda self, f=getattr(train.Trainer, name): time.sleep(2.5) or f(self)  # noqa: E731
+        monkeypatch.setattr(train.Trainer, name, slow)
     plain, last = run(synth, str(tmp_path), "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2")
     assert "timing_s/testing" not in plain and "timing_s/save_checkpoint" not in plain
     assert last["timing_s/step"] > last["timing_s/testing"] + last["timing_s/save_checkpoint"] > 5
@@ -438,3 +440,166 @@ def test_dead_rank_fails_the_job_within_the_timeout(small_synth, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert time.time() - t0 < 150, f"took {time.time() - t0:.0f} s"
+
+
+def _dense(model, prompts, responses, R, temperature):
+    """log p(response token) [B, R] (with grad) and the entropy [B, R] of every response position, one packed pass
+    over the whole sequences with a plain log_softmax over the full vocabulary."""
+    seqs = [torch.tensor(list(p) + list(r)) for p, r in zip(prompts, responses)]
+    lens = [len(s) for s in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    z = model.logits(model.packed(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), cu, max(lens)))
+    lsm = (z.float() / temperature).log_softmax(-1)
+    logp, ent = [], torch.zeros(len(seqs), R)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        at = int(cu[i]) + len(p) - 1 + torch.arange(len(r))  # the positions that predict the response tokens
+        row = lsm[at].gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1)
+        logp.append(torch.cat([row, row.new_zeros(R - len(r))]))
+        ent[i, :len(r)] = -(lsm[at].exp() * lsm[at]).sum(-1).detach()
+    return torch.stack(logp), ent
+
+
+def _copy_of(path, seed, params):
+    m = load_model(path, random_init=True, seed=seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(params[n])
+    return m
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tmp_path, mode):
+    """One GRPO step with a KL loss, KL in the reward and a reference policy unlike the actor, two mini-batches of
+    several micro-batches; a warmup so long that the weights do not move (so the ratio is 1 in both mini-batches and
+    each one's loss is known in closed form). Against one dense process: the recomputed old/ref log-probs, the KL in
+    the reward, pi_old's entropy over the batch (aggregated by the loss_agg_mode), per mini-batch the pg loss (-A
+    summed over tokens / the loss_agg_mode's count), the KL loss and the gradient norm, averaged over the two
+    optimizer steps; and the warmup's first LR."""
+    R, coef, beta, warmup = 4, 0.5, 0.05, 10 ** 9
+    cfg = train.load_config(CONFIG, overrides(
+        small_synth, str(tmp_path), "trainer.total_steps=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+        f"actor.loss_agg_mode={mode}",
+        "actor.max_tokens_per_micro_batch=200", f"actor.optim.lr_warmup_steps={warmup}",
+        "actor.use_kl_loss=true", "actor.kl_loss_type=kl", f"actor.kl_loss_coef={coef}",
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", f"algorithm.kl_ctrl.kl_coef={beta}"))
+    t = train.Trainer(cfg)
+    t.ref.model.init_random(seed=1234, std=0.2)  # a reference policy clearly unlike the actor
+    actor0 = {n: p.detach().clone() for n, p in t.actor.model.named_parameters()}
+    ref0 = {n: p.detach().clone() for n, p in t.ref.model.named_parameters()}
+    box, real = [], t.rollout_batch
+
+    def capture():
+        b, m = real()
+        box.append(b)
+        return b, m
+    t.rollout_batch = capture
+    got = t.train_step()
+    batch = box[0]
+    T, mask = batch.tensors, batch.response_mask
+    assert len(batch) == 128 and mask.sum(-1).min() >= 1
+
+    # the first LR of a linear warmup: lr / warmup_steps
+    assert got["actor/lr"] == pytest.approx(cfg.actor.optim.lr / warmup, rel=1e-9)
+    path, seed = cfg.actor.model_path, cfg.trainer.seed
+    actor, ref = _copy_of(path, seed, actor0), _copy_of(path, seed, ref0)
+    with torch.no_grad():
+        ref_logp, _ = _dense(ref, batch.prompts, batch.responses, R, 1.0)
+    logp, ent = _dense(actor, batch.prompts, batch.responses, R, 1.0)
+    m = mask.bool()
+    assert (T["old_log_probs"] - logp.detach())[m].abs().max() <= 1e-5
+    assert (T["ref_log_probs"] - ref_logp)[m].abs().max() <= 1e-5
+    # KL in the reward: mean over sequences of the per-sequence token mean of logp_old - logp_ref; beta reported
+    kl = (logp.detach() - ref_logp) * mask
+    want_kl = ((kl.sum(-1) / mask.sum(-1)).mean()).item()
+    assert abs(want_kl) > 1e-3
+    assert got["actor/reward_kl_penalty"] == pytest.approx(want_kl, rel=1e-4, abs=1e-6)
+    assert got["actor/reward_kl_penalty_coeff"] == pytest.approx(beta)
+    # the rewards: score - beta * (summed KL) per sequence
+    assert got["critic/rewards/mean"] == pytest.approx((T["seq_reward"] - beta * kl.sum(-1)).mean().item(),
+                                                      rel=1e-4, abs=1e-6)
+    # per mini-batch losses and gradients, one dense process
+    rows_ent = (ent * mask).sum(-1)
+    want_ent = rows_ent.sum() / mask.sum() if mode == "token-mean" else rows_ent.mean()  # (no empty response here)
+    assert got["actor/entropy"] == pytest.approx(want_ent.item(), rel=1e-5)
+    want = {"actor/pg_loss": [], "actor/kl_loss": [], "actor/grad_norm": []}
+    for start in range(0, 128, 64):
+        rows = slice(start, start + 64)
+        mk, A = mask[rows], T["advantages"][rows]
+        den = mk.sum() if mode == "token-mean" else (mk.sum(-1) > 0).sum()
+        lp = logp[rows]
+        ratio = torch.exp(lp - lp.detach())
+        pg = (-A * ratio * mk).sum() / den
+        kl_loss = ((lp - ref_logp[rows]) * mk).sum() / den
+        actor.zero_grad()
+        (pg + coef * kl_loss).backward(retain_graph=True)
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in actor.parameters() if p.grad is not None))
+        want["actor/pg_loss"].append(pg.item())
+        want["actor/kl_loss"].append(kl_loss.item())
+        want["actor/grad_norm"].append(norm.item())
+    for k, v in want.items():
+        w = sum(v) / len(v)
+        assert abs(got[k] - w) <= 1e-4 * max(abs(w), 1e-3), (k, got[k], w)
+    assert abs(got["actor/ppo_kl"]) < 1e-6
+
+
+def test_checkpoint_restores_the_trainer_state(small_synth, tmp_path):
+    """What a checkpoint's state file holds comes back on resume: the adaptive KL coefficient reached, the count of
+    skipped non-finite steps, the sampler position, the optimizer step count and the step."""
+    out = str(tmp_path / "run")
+    extra = ("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "trainer.total_steps=9")
+    t = train.Trainer(train.load_config(CONFIG, overrides(small_synth, out, *extra)))
+    t.kl_ctrl.value, t.nonfinite_skips, t.step, t.actor.optim.step_count = 0.0123, 2, 3, 5
+    for _ in range(3):  # 64 prompts, 32 a batch: into epoch 1
+        t.sampler.next_indices()
+    saved = t.sampler.state_dict()
+    want_next = list(t.sampler.next_indices())
+    t.sampler.load_state_dict(saved)
+    t.save_checkpoint()
+    r = train.Trainer(train.load_config(CONFIG, overrides(small_synth, out, *extra,
+                                                          f"trainer.resume={out}/checkpoints/step_3")))
+    r.maybe_resume()
+    assert r.step == 3 and r.actor.optim.step_count == 5
+    assert r.kl_ctrl.value == pytest.approx(0.0123)
+    assert r.nonfinite_skips == 2
+    assert list(r.sampler.next_indices()) == want_next
+
+
+def test_dynamic_sampling_on_seq_reward_filters_on_the_shaped_score(small_synth, tmp_path):
+    """algorithm.filter_groups.metric=seq_reward filters on score + overlong penalty: with every score equal, only
+    the length penalty (worked by hand, L = 4, buffer 2) can make a group's values differ, and such groups are kept."""
+    t = train.Trainer(train.load_config(CONFIG, overrides(
+        small_synth, str(tmp_path), "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+        "algorithm.filter_groups.max_num_gen_batches=4", "algorithm.overlong_buffer.enable=true",
+        "algorithm.overlong_buffer.len=2")))
+    t.score = lambda batch: (torch.ones(len(batch)), {}, 0)
+    batch, _ = t.rollout_batch()
+    T, n = batch.tensors, t.cfg.rollout.n
+    want = 1.0 + torch.clamp(-(batch.response_mask.sum(-1) - 2) / 2, max=0.0)
+    assert torch.equal(T["score"], torch.ones(len(batch))) and torch.equal(T["seq_reward"], want)
+    assert len(batch) == 8 * n
+    for g in batch.index.unique():
+        vals = want[batch.index == g]
+        assert len(vals) == n and vals.max() > vals.min()
+
+
+def test_ppo_returns_carry_the_outcome_reward_to_every_response_token(small_synth, tmp_path):
+    """The outcome reward sits on a response's last token, so with gamma = lam = 1 GAE's return (reward to go) is the
+    sequence's score at every one of its tokens: critic/returns/mean is the token-weighted mean score (by hand)."""
+    t = train.Trainer(train.load_config(CONFIG, overrides(
+        small_synth, str(tmp_path), "trainer.total_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+        "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0")))
+    t.score = lambda batch: (torch.linspace(-1.0, 1.0, len(batch)), {}, 0)
+    box, real = [], t.rollout_batch
+
+    def capture():
+        b, m = real()
+        box.append(b)
+        return b, m
+    t.rollout_batch = capture
+    got = t.train_step()
+    lens, score = box[0].response_mask.sum(-1), torch.linspace(-1.0, 1.0, len(box[0]))
+    assert lens.min() >= 1 and lens.max() > 1
+    assert got["critic/returns/mean"] == pytest.approx(((score * lens).sum() / lens.sum()).item(), abs=1e-5)
+    assert got["critic/rewards/mean"] == pytest.approx(score.mean().item(), abs=1e-6)
