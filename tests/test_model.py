@@ -7,7 +7,7 @@ import torch
 
 import helpers
 import model
-from model import ModelConfig, load_model
+from model import ModelConfig, load_model, rope_inv_freq
 
 torch.manual_seed(0)
 
@@ -201,3 +201,144 @@ def test_cuda_attention_backends_match_sdpa_forward_and_backward(hkv):
             assert rel_err(a.float(), b) < 2e-2, backend
         ran += 1
     assert ran >= 1
+
+
+# ----------------------------------------------------------------------------- config formats, loading and init
+
+
+def rewrite_config(path, edit):
+    f = os.path.join(path, "config.json")
+    c = json.load(open(f))
+    edit(c)
+    with open(f, "w") as fh:
+        json.dump(c, fh)
+    return c
+
+
+def logits_match_transformers(path, n=29, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (1, n), generator=g)
+    ours, ref = load_model(path), helpers.hf_model(path)
+    with torch.no_grad():
+        return rel_err(ours.logits(ours.packed(*packed([ids[0]]))), ref(ids).logits[0])
+
+
+def test_llama3_rope_frequencies_match_transformers_in_all_three_bands():
+    """Llama 3.1's real rope settings (d=128, theta 5e5, factor 8, 1/4, 8192) put frequencies in all three bands:
+    kept (short wavelengths), divided by factor (long), and blended in between. The test checkpoints' llama3
+    config has no frequency in the blended band, so the blend formula went unchecked."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = LlamaConfig(vocab_size=32, hidden_size=1024, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=8, num_key_value_heads=8, rope_scaling=rope)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf)
+    cfg = ModelConfig.from_hf({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    base = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    wavelen = 2 * torch.pi / base
+    blended = (wavelen > 8192 / 4) & (wavelen < 8192 / 1)
+    assert blended.sum() >= 3 and (wavelen < 8192 / 4).any() and (wavelen > 8192).any()  # all three bands
+    got = rope_inv_freq(cfg)
+    assert torch.allclose(got, want.float(), rtol=1e-6, atol=0), (got - want).abs().max()
+
+
+def test_legacy_config_format_matches_transformers(tmp_path):
+    """config.json as transformers 4 wrote it (Qwen2.5, Llama 3.1 on the Hub): a top-level rope_theta and a
+    rope_scaling with the legacy "type" key, no rope_parameters. The helpers' checkpoints all use the transformers 5
+    format, so reading the top-level theta / the "type" key went untested (ignoring them silently used theta 10000 /
+    no llama3 scaling)."""
+    for family, theta in (("qwen2", 1e6), ("llama3", None)):
+        path = helpers.make_checkpoint(str(tmp_path / family), family, with_tokenizer=False)
+
+        def legacy(c):
+            rp = dict(c.pop("rope_parameters"))
+            c["rope_theta"] = theta or rp["rope_theta"]
+            del rp["rope_theta"]
+            if rp.pop("rope_type") == "default":
+                c["rope_scaling"] = None
+            else:
+                c["rope_scaling"] = {**rp, "type": "llama3"}  # the legacy spelling of rope_type
+        rewrite_config(path, legacy)
+        assert logits_match_transformers(path) <= 1e-5, family
+    # a legacy-spelled unsupported type is rejected, not silently read as default rope
+    c = json.load(open(os.path.join(path, "config.json")))
+    with pytest.raises(ValueError, match="rope type 'linear' is not supported"):
+        ModelConfig.from_hf({**c, "rope_scaling": {"type": "linear", "factor": 4.0}})
+
+
+def test_missing_optional_keys_take_transformers_defaults(tmp_path):
+    """A minimal config.json (no num_key_value_heads: MHA; no rope settings: theta 10000; no rms_norm_eps: 1e-6; no
+    tie_word_embeddings: untied; no head_dim) reads as transformers reads it."""
+    path = helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False, num_key_value_heads=4)
+    keys = ("num_key_value_heads", "rope_parameters", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "head_dim")
+    c = rewrite_config(path, lambda c: [c.pop(k, None) for k in keys])
+    assert not set(keys) & set(c)
+    assert logits_match_transformers(path) <= 1e-5
+
+
+def test_qwen2_accepts_attention_bias_true(tmp_path):
+    """Qwen2's q/k/v biases are the only ones it has: attention_bias=true (some Qwen2 configs write it) must load,
+    not be rejected like Llama's o_proj bias."""
+    path = helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)
+    rewrite_config(path, lambda c: c.update(attention_bias=True))
+    assert logits_match_transformers(path) <= 1e-5
+
+
+def test_mlp_bias_is_rejected(tmp_path):
+    """mlp_bias=true: the MLP here has no biases, so loading would silently drop the checkpoint's."""
+    path = helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False)
+    c = json.load(open(os.path.join(path, "config.json")))
+    with pytest.raises(ValueError, match="mlp_bias=true is not supported"):
+        ModelConfig.from_hf({**c, "mlp_bias": True})
+
+
+# ----------------------------------------------------------------------------- model.py: loading and init
+
+
+def test_multi_file_checkpoint_without_index(tmp_path):
+    """Several *.safetensors files and no model.safetensors.index.json: every tensor is read from its own file."""
+    from safetensors.torch import load_file, save_file
+    path = helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False)
+    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = helpers.hf_model(path)(ids).logits[0]  # (transformers itself needs the index for several files)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    names = sorted(tensors)
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({k: tensors[k] for k in part}, os.path.join(path, f"part-{i}.safetensors"), metadata={"format": "pt"})
+    ours = load_model(path)
+    with torch.no_grad():
+        assert rel_err(ours.logits(ours.packed(*packed([ids[0]]))), want) <= 1e-5
+
+
+def test_random_init_norms_are_ones_and_biases_zeros(tmp_path):
+    """init_random: matrices drawn with std 0.02; RMSNorm weights 1 (as transformers initialises them), biases 0."""
+    path = helpers.make_checkpoint(str(tmp_path), "qwen3", with_tokenizer=False)
+    m = load_model(path, random_init=True, seed=1)
+    q2 = load_model(helpers.make_checkpoint(str(tmp_path / "q2"), "qwen2", with_tokenizer=False), random_init=True)
+    vecs = {n: p for mod in (m, q2) for n, p in mod.named_parameters() if p.dim() == 1}
+    assert any("q_norm" in n for n in vecs) and any("bias" in n for n in vecs)
+    for n, p in vecs.items():
+        assert torch.equal(p, torch.full_like(p, 0.0 if n.endswith("bias") else 1.0)), n
+    for n, p in m.named_parameters():
+        if p.dim() > 1:
+            assert abs(p.std().item() - 0.02) < 0.004, n
+
+
+def test_sequence_of_exactly_the_sliding_window_runs_and_matches_transformers(tmp_path):
+    """A token attends to the `sliding_window` newest positions, itself included (transformers: q - k < window), so a
+    sequence of exactly window tokens is plain causal attention and must run: in the packed path and in generation
+    (prompt + max_new_tokens == window)."""
+    W = 24
+    path = helpers.make_checkpoint(str(tmp_path), "mistral", with_tokenizer=False, sliding_window=W)
+    assert logits_match_transformers(path, n=W) <= 1e-5
+    from rollout import Generator, SamplingParams
+    ours, ref = load_model(path).eval(), helpers.hf_model(path)
+    prompt = torch.randint(0, 256, (W - 6,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = Generator(ours, max_rows=1).generate([prompt], SamplingParams(temperature=0, max_new_tokens=6))
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                            eos_token_id=None, pad_token_id=0)
+    assert got[0].token_ids == want[0, len(prompt):].tolist()

@@ -1,6 +1,7 @@
 """rollout.py: greedy parity with transformers, continuous batching, log-probs against teacher forcing,
 sampling statistics and masks, stops, prefill sharing, tensor parallelism, CUDA graphs (GPU only)."""
 import dataclasses
+import json
 import math
 import types
 
@@ -494,3 +495,135 @@ def test_sampling_kernel_is_exact_for_the_largest_uniform():
     got = rollout._sample_stats_gpu(logits, keys, pos, 1.0, start, None, chunk=1024)
     assert want[0, 1].item() == other and want[0, 0].item() - g[top].item() > 0.5
     assert torch.equal(got[:, 1], want[:, 1]) and (got - want).abs().max().item() < 1e-3
+
+
+# ----------------------------------------------------------------------------- sampler paths, prompt copies, CLI
+
+
+def test_greedy_ignores_top_k_and_top_p(model):
+    """temperature=0 with top_k / top_p still set (a sampling config switched to greedy for evaluation): argmax
+    tokens and log_softmax at T=1, as with the filters off."""
+    prompts = rand_prompts((6, 11, 3), seed=21)
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_k=5, top_p=0.9)):
+        comps = Generator(model, max_rows=4, sync_every=3).generate(
+            prompts, SamplingParams(temperature=0, max_new_tokens=6, **kw))
+        for c in comps:
+            p = prompts[c.prompt_index]
+            logits = teacher_logits(model, p + c.token_ids)[len(p) - 1:-1]
+            assert c.token_ids == logits.argmax(-1).tolist(), kw
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (torch.tensor(c.logprobs) - want).abs().max().item() <= 1e-5, kw
+
+
+def test_top_k_top_p_respect_the_vocab_size_limit(model):
+    """With top_k / top_p the draw takes the filtered path: ids past `vocab_size` must still never be drawn, and the
+    returned log-prob is still log_softmax(logits / T) over the whole vocabulary (those ids included)."""
+    prompt = rand_prompts((5,), seed=7)[0]
+    T, V = 2.0, 128
+    logits0 = teacher_logits(model, prompt)[-1]
+    assert (logits0 / T).topk(100).indices.ge(V).sum() > 20  # the top 100 hold many forbidden ids
+    comps = Generator(model, max_rows=256, vocab_size=V).generate(
+        [prompt], SamplingParams(n=256, temperature=T, top_k=100, top_p=0.98, max_new_tokens=2, seed=1))
+    drawn = torch.tensor([c.token_ids for c in comps])
+    assert drawn.max().item() < V and len(set(drawn[:, 0].tolist())) > 20
+    for c in comps[:32]:
+        logits = teacher_logits(model, prompt + c.token_ids)[len(prompt) - 1:-1]
+        want = torch.log_softmax(logits / T, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - want).abs().max().item() <= 1e-5
+
+
+def test_consecutive_tokens_draw_independent_noise(tmp_path):
+    """A model whose logits are all 0 (final norm weight 0): every token is uniform over the vocabulary,
+    independently of the others. Consecutive tokens of a sample then agree with probability 1/V (272): if two
+    positions shared their Gumbel noise (an off-by-one in the noise position), every token would repeat the last."""
+    m = load_model(helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)).eval()
+    with torch.no_grad():
+        m.norm.weight.zero_()
+    prompt = rand_prompts((5,), seed=1)[0]
+    comps = Generator(m, max_rows=64, sync_every=3).generate(
+        [prompt], SamplingParams(n=64, temperature=1.0, max_new_tokens=6, seed=2))
+    toks = torch.tensor([c.token_ids for c in comps])  # [64, 6]
+    V = m.cfg.vocab_size
+    assert all(abs(lp + torch.log(torch.tensor(float(V))).item()) < 1e-5 for c in comps for lp in c.logprobs)
+    same = (toks[:, 1:] == toks[:, :-1]).sum().item()  # 320 pairs, 1.2 expected equal
+    assert same <= 8, same
+    for t in range(6):  # and each position is spread over the vocabulary (64 draws of 272 values)
+        assert len(set(toks[:, t].tolist())) > 40
+
+
+def test_samples_continue_from_their_own_prompt_copy_after_the_first_stops(model):
+    """A prompt's samples read its k/v from the first live sample's row; when that sample stops early, the others
+    read their own copies (KVCache.copy_rows at prefill). Those copies must hold the whole prompt: log-probs of every
+    sample match teacher forcing. (The existing tests never stop the first sample before its siblings.)"""
+    prompts = rand_prompts((9, 4, 13), seed=31)  # one prefill chunk of prompts of different lengths
+    stops = tuple(range(0, 256, 4))  # 64 ids, ~1/4 of the draws stop: lengths vary widely
+    params = SamplingParams(n=5, temperature=1.0, max_new_tokens=10, stop_token_ids=stops, seed=5)
+    comps = Generator(model, max_rows=16, sync_every=1).generate(prompts, params)
+    by = {(c.prompt_index, c.sample_index): c for c in comps}
+    first_stops_early = [p for p in range(3)
+                         if len(by[p, 0].token_ids) + 1 < max(len(by[p, s].token_ids) for s in range(5))]
+    assert len(first_stops_early) >= 2, first_stops_early
+    for c in comps:
+        p = prompts[c.prompt_index]
+        logits = teacher_logits(model, p + c.token_ids)[len(p) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - want).abs().max().item() <= 1e-5, (c.prompt_index, c.sample_index)
+
+
+# ----------------------------------------------------------------------------- rollout.py: the CLI
+
+
+def test_cli_uses_seed_and_stops_at_the_generation_config_eos(tmp_path, capsys, monkeypatch):
+    """`python rollout.py MODEL --prompt ...`: --seed picks the draws, the EOS ids of generation_config.json
+    end a completion (here the greedy first token is made the EOS: one token, finish reason stop), and only the
+    tokenizer's ids are drawn."""
+    from transformers import AutoTokenizer
+    path = helpers.make_checkpoint(str(tmp_path / "m"), "qwen2")
+    ids = AutoTokenizer.from_pretrained(path).encode("hello")
+    first = teacher_logits(load_model(path), ids)[-1].argmax().item()
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+
+    def run(*args):
+        rollout.main([path, "--prompt", "hello", "--max-new-tokens", "6", *args])
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== ")]
+
+    lp = torch.log_softmax(teacher_logits(load_model(path), ids)[-1], -1)[first]
+    assert run("--temperature", "0") == [f"=== prompt 0 sample 0 (1 tokens, stop, mean logprob {lp:.3f})"]
+    sampled = ("--temperature", "1.0", "--n", "4")
+    a, b, c = run(*sampled, "--seed", "1"), run(*sampled, "--seed", "1"), run(*sampled, "--seed", "2")
+    assert a == b and a != c
+    # ids past the tokenizer (259 entries; the model has 272) are never drawn, even at a high temperature
+    drawn, generate = [], rollout.Generator.generate
+    monkeypatch.setattr(rollout.Generator, "generate", lambda *a, **k: drawn.extend(generate(*a, **k)) or drawn)
+    run("--temperature", "5", "--n", "32")
+    ntok = len(AutoTokenizer.from_pretrained(path))
+    assert ntok < 272 and len(drawn) == 32 and max(t for c in drawn for t in c.token_ids) < ntok
+
+
+# ----------------------------------------------------------------------------- rollout.py: limits at their boundary
+
+
+def test_limits_accept_their_boundary_values(model):
+    """MAX_STOP_IDS (64) stop ids are accepted, 65 are not; a prompt + max_new_tokens of exactly the Generator's
+    max_len fits (it needs max_len - 1 cache positions: the last token is never fed back)."""
+    prompt = rand_prompts((5,), seed=41)[0]
+    greedy = SamplingParams(temperature=0, max_new_tokens=11)
+    want = Generator(model, max_rows=1).generate([prompt], greedy)[0].token_ids
+    got = Generator(model, max_rows=1, max_len=16).generate([prompt], greedy)[0]
+    assert got.token_ids == want and len(want) == 11
+    cap = rollout.MAX_STOP_IDS
+    assert cap == 64
+    ok = tuple(t for t in range(272) if t not in want[:3])[:cap]
+    comps = Generator(model, max_rows=1).generate([prompt], SamplingParams(temperature=0, max_new_tokens=3,
+                                                                           stop_token_ids=ok))
+    assert comps[0].token_ids == want[:3] and comps[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="65 stop/EOS token ids given; at most 64"):
+        Generator(model, max_rows=1).generate([prompt], SamplingParams(max_new_tokens=1,
+                                                                       stop_token_ids=ok + (want[0],)))
+
+
+def test_eos_token_ids_read_config_json(tmp_path):
+    """config.json's eos_token_id counts even when neither the tokenizer nor generation_config.json names it."""
+    (tmp_path / "config.json").write_text('{"eos_token_id": 5}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 9}')
+    assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=2)) == [2, 5, 9]
