@@ -53,8 +53,17 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     assert ModelConfig.from_hf({**mistral, "sliding_window": 16, "use_sliding_window": False}).sliding_window == 16
     assert ModelConfig.from_hf({k: v for k, v in mistral.items() if k != "sliding_window"}).sliding_window == 4096
     assert ModelConfig.from_hf({**mistral, "sliding_window": None}).sliding_window is None
-    assert ModelConfig.from_hf({**cfg, "sliding_window": 16}).sliding_window is None  # Qwen2: use_sliding_window
-    assert ModelConfig.from_hf({**cfg, "sliding_window": 16, "use_sliding_window": True}).sliding_window == 16
+    # Qwen2 slides only with use_sliding_window, and then only the layers transformers' layer_types mark (from
+    # max_window_layers on, 28 by default, unless the file lists them): a window only if some layer slides
+    from transformers import Qwen2Config
+    base, L, windows = {k: v for k, v in cfg.items() if k not in ("layer_types", "max_window_layers")}, 4, []
+    for extra in ({}, {"use_sliding_window": True}, {"use_sliding_window": True, "max_window_layers": 2},
+                  {"use_sliding_window": True, "max_window_layers": 2, "layer_types": ["full_attention"] * L},
+                  {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"] * (L // 2)}):
+        hf = Qwen2Config.from_dict(c := {**base, "num_hidden_layers": L, "sliding_window": 16, **extra})
+        windows.append(ModelConfig.from_hf(c).sliding_window)
+        assert windows[-1] == (hf.sliding_window if "sliding_attention" in hf.layer_types else None), extra
+    assert windows == [None, None, 16, None, 16]
     # rope_scaling, when present, overrides rope_parameters (transformers 5), and its theta falls back to theirs
     both = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
     assert ModelConfig.from_hf(both).rope_theta == 5e5
