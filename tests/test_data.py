@@ -489,3 +489,80 @@ def test_prepare_gsm8k_drops_commas_from_the_final_answer(tmp_path):
     for split in ("train", "test"):
         (r,) = pq.read_table(str(out / f"{split}.parquet")).to_pylist()
         assert r["reward_model"]["ground_truth"] == "1234"
+
+
+def test_prompt_key_names_the_messages_column_and_a_prompt_column_is_carried(tmp_path, tok):
+    """prompt_key="messages": the messages are read from that column (not from "prompt"), which is replaced by
+    the messages; an unrelated column named "prompt" is just another column carried along."""
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "what is 2+2?"}]
+    f = write_rows(tmp_path / "d.parquet", [{"messages": msgs, "prompt": "raw text, not the prompt",
+                                         "data_source": "s", "reward_model": {"ground_truth": "4"}}])
+    ds = data.PromptDataset([f], tok, 256, prompt_key="messages")
+    item = ds[0]
+    assert item["prompt_ids"] == reference_ids(tok, msgs)
+    assert item["messages"] == msgs and item["prompt"] == "raw text, not the prompt"
+    assert (item["ground_truth"], item["data_source"]) == ("4", "s")
+
+
+def test_a_prompt_of_exactly_max_prompt_length_is_kept_whole(tmp_path, tok):
+    msgs = [{"role": "user", "content": "exactly"}]
+    full = reference_ids(tok, msgs)
+    f = write_rows(tmp_path / "d.parquet", [row("exactly")])
+    ds = data.PromptDataset([f], tok, len(full))  # filter_overlong=True: only longer prompts are dropped
+    assert len(ds) == 1 and ds.num_filtered == 0 and ds[0]["prompt_ids"] == full
+    ds = data.PromptDataset([f], tok, len(full), truncation="left", filter_overlong=False)
+    assert ds[0]["prompt_ids"] == full
+
+
+def test_a_non_string_ground_truth_is_json_encoded(tmp_path, tok):
+    """A list or bool ground truth (several accepted answers, a yes/no label) reaches the scorer as JSON, which a
+    scorer can json.loads back: not Python's repr ("['12', 'twelve']", "True")."""
+    f = write_rows(tmp_path / "d.parquet", [row("a", ["12", "twelve"]), row("b", ["yes"])])
+    ds = data.PromptDataset([f], tok, 256)
+    assert json.loads(ds[0]["ground_truth"]) == ["12", "twelve"] and ds[0]["ground_truth"] == '["12", "twelve"]'
+    assert ds[1]["ground_truth"] == '["yes"]'
+    g = write_rows(tmp_path / "e.parquet", [row("c", True)])
+    assert data.PromptDataset([g], tok, 256)[0]["ground_truth"] == "true"
+
+
+def test_more_prompts_than_one_tokenizer_chunk(tmp_path, tok):
+    """The prompts are tokenized in chunks of 4096: with 4100 every row keeps its own ids (none skipped or
+    shifted at the chunk boundary, none dropped after it)."""
+    n = 4100
+    f = write_rows(tmp_path / "d.parquet", [row(f"q{i}", str(i)) for i in range(n)])
+    ds = data.PromptDataset([f], tok, 256)
+    assert len(ds) == n
+    for i in (0, 4094, 4095, 4096, 4097, n - 1):
+        item = ds[i]
+        assert item["prompt_ids"] == reference_ids(tok, [{"role": "user", "content": f"q{i}"}]), i
+        assert item["ground_truth"] == str(i) and item["index"] == i
+
+
+def test_the_tokenizers_own_special_tokens_are_not_added_twice(tmp_path, tok):
+    """A tokenizer whose post-processor adds a BOS (as Llama 3's does) must not get it on top of the chat template,
+    which spells out its own special tokens: the ids are apply_chat_template's."""
+    from tokenizers.processors import TemplateProcessing
+    bos_tok = make_tokenizer()
+    bos_tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos_tok.convert_tokens_to_ids("<|endoftext|>"))])
+    assert bos_tok("hi")["input_ids"][0] == bos_tok.convert_tokens_to_ids("<|endoftext|>")  # the BOS is there
+    f = write_rows(tmp_path / "d.parquet", [row("hello")])
+    ds = data.PromptDataset([f], bos_tok, 256)
+    assert ds[0]["prompt_ids"] == reference_ids(bos_tok, [{"role": "user", "content": "hello"}])
+
+
+def test_a_message_whose_content_is_not_a_string_is_refused(tmp_path, tok):
+    """OpenAI-style content parts ([{"type": "text", ...}]) or a number would be rendered by the template as their
+    Python repr: refused, naming the row, like a message without a role."""
+    for content in ([{"type": "text", "text": "hi"}], 5):
+        f = write_rows(tmp_path / "d.parquet", [{**row(""), "prompt": [{"role": "user", "content": content}]}])
+        with pytest.raises(TypeError, match=r"row 0: column 'prompt': expected a string or a non-empty list"):
+            data.PromptDataset([f], tok, 256)
+
+
+def test_synthetic_test_split_is_not_a_copy_of_the_train_split(tmp_path):
+    """The two splits are drawn from independent streams: the test prompts are not the first train prompts again."""
+    data.prepare_synthetic(str(tmp_path), "add", n_train=50, n_test=20, seed=0)
+    train, test = (pq.read_table(str(tmp_path / f"{s}.parquet")).to_pylist() for s in ("train", "test"))
+    content = lambda rows: [r["prompt"][0]["content"] for r in rows]  # noqa: E731
+    assert len(train) == 50 and len(test) == 20 and content(test) != content(train)[:20]

@@ -581,3 +581,89 @@ def test_1f1b_order_pp2(tmp_path):
     s0, s1 = helpers.run_distributed(_schedule_body, 2, path, lens)
     assert s0 == ["F0", "F1", "B", "F2", "B", "F3", "B", "B"], s0
     assert s1 == ["F0", "B", "F1", "B", "F2", "B", "F3", "B"], s1
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_lr_warmup_ends_at_the_peak_under_a_decay_schedule(schedule):
+    """Warmup's last step (warmup_steps - 1) is lr * warmup / warmup = lr, whatever follows: not a step into the
+    decay with a negative progress (cosine: just under lr; linear: over lr)."""
+    for warmup in (1, 2, 4):
+        assert lr_at(warmup - 1, 10, 1.0, warmup, schedule, 0.1) == 1.0
+        assert lr_at(warmup - 1, 10, 2.0, warmup, schedule) == 2.0
+
+
+def _row_parallel_body(rank, world, x, w, b, gy):
+    from parallel import RowParallelLinear
+    lay = make_layout(world, 1)
+    layer = RowParallelLinear(w.shape[1], w.shape[0], True, lay)
+    with torch.no_grad():
+        layer.weight.copy_(w.chunk(world, dim=1)[lay.tp_rank])
+        layer.bias.copy_(b)
+    xs = x.chunk(world, dim=-1)[lay.tp_rank].clone().requires_grad_()
+    y = layer(xs)
+    (y * gy).sum().backward()
+    return {"y": y.detach(), "gx": xs.grad, "gw": layer.weight.grad, "gb": layer.bias.grad}
+
+
+def test_row_parallel_linear_with_bias_matches_a_dense_linear():
+    """RowParallelLinear(bias=True) at tp=2 against torch.nn.functional.linear on the whole weight: the bias is added
+    once, after the reduction (not once per rank), and every gradient is the dense one's slice."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b, gy = torch.randn(5, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, generator=g), \
+        torch.randn(5, 6, generator=g)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y = torch.nn.functional.linear(xr, wr, br)
+    (y * gy).sum().backward()
+    for r, res in enumerate(helpers.run_distributed(_row_parallel_body, 2, x, w, b, gy)):
+        torch.testing.assert_close(res["y"], y.detach())
+        torch.testing.assert_close(res["gx"], xr.grad.chunk(2, dim=-1)[r])
+        torch.testing.assert_close(res["gw"], wr.grad.chunk(2, dim=1)[r])
+        torch.testing.assert_close(res["gb"], br.grad)
+
+
+def test_sharded_adamw_follows_torch_adamw_through_checkpoints_skips_and_offload(tmp_path):
+    """One process, 3 steps at varying lr against torch.optim.AdamW (weight decay on matrices only), each step's
+    update compared (not just the weights, which the small update hardly moves; to the rounding of the weights).
+    Between steps the trainer's other uses of the optimizer: a checkpoint (full_state, then zero_grad), an offload /
+    reload / prefetch round, and a skipped step (a backward, then zero_grad without step: nothing of it may reach the
+    next step)."""
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+    path = helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)
+    model, ref = load_model(path), load_model(path)
+    opt = ShardedAdamW(model, make_layout(1, 1), **hp)
+    params = dict(ref.named_parameters())
+    ropt = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() >= 2]},
+                              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}], **hp)
+    g = torch.Generator().manual_seed(0)
+
+    def backward(m, ids):
+        m.logits(m.packed(ids, torch.arange(9), torch.tensor([0, 9], dtype=torch.int32), 9)).logsumexp(-1).mean() \
+            .backward()
+
+    for s, lr in enumerate((1e-3, 5e-4, 2e-3)):
+        ids = torch.randint(0, helpers.TINY_VOCAB, (9,), generator=g)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        ropt.zero_grad()
+        backward(model, ids)
+        backward(ref, ids)
+        opt.reduce_gradients()
+        for group in ropt.param_groups:
+            group["lr"] = lr
+        opt.step(lr)
+        ropt.step()
+        for n, p in model.named_parameters():
+            want = params[n].detach() - before[n]
+            got = p.detach() - before[n]
+            assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-3, (s, n)  # fp32 rounding of p - p0
+        assert opt.step_count == s + 1
+        {k: v.clone() for k, v in opt.full_state("exp_avg").items()}  # a checkpoint stages the state in the buffer
+        opt.zero_grad()
+        opt.offload()  # generation
+        opt.reload()
+        opt.prefetch()
+        backward(model, torch.randint(0, helpers.TINY_VOCAB, (9,), generator=g))  # a step skipped (non-finite)
+        opt.zero_grad()
+    exp_avg = opt.full_state("exp_avg")
+    for n, p in params.items():
+        torch.testing.assert_close(exp_avg[n], ropt.state[p]["exp_avg"], rtol=1e-4, atol=1e-9)
