@@ -3,6 +3,7 @@ import json
 import math
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -495,3 +496,57 @@ def test_only_the_named_dp_rank_writes_a_shard(tmp_path):
         reshard.save_model_shard(m, Layout(dp=2, dp_rank=r), d, writer=1)
     assert os.listdir(tmp_path / "rank0") == []
     assert os.listdir(tmp_path / "rank1") == ["model_pp0_tp0.safetensors"]
+
+
+# ----------------------------------------------------------------------------- resharder timing
+
+
+def test_reshard_timing_counts_entry_and_exit(tmp_path, monkeypatch):
+    """last_timing (timing_s/reshard) is the gather on entry plus the release on exit (each made to take 0.3 s)."""
+    m = load_model(helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False))
+    r = reshard.Resharder(m, Layout(), 1)
+    for name in ("_gather", "_release"):
+        monkeypatch.setattr(r, name, lambda f=getattr(r, name): time.sleep(0.3) or f())
+    with r.generation():
+        time.sleep(0.5)  # the block itself is generation, not resharding
+    assert 0.6 <= r.last_timing < 1.0, r.last_timing
+
+
+# ----------------------------------------------------------------------------- HF export
+
+
+def test_export_copies_the_tokenizer_and_writes_a_complete_index(tmp_path):
+    """A checkpoint with every tokenizer file beside it (chat_template.jinja included) exports to a directory that
+    transformers loads: the same tokenizer and chat template, the same logits, an index whose total_size is the
+    tensors' bytes, and config.json naming the dtype under both keys."""
+    from transformers import AutoTokenizer
+    src = helpers.make_checkpoint(str(tmp_path / "hf"), "llama")
+    m = load_model(src)
+    os.makedirs(ck := str(tmp_path / "ck"))
+    reshard.save_model_shard(m, Layout(), ck)
+    json.dump({"step": 1, "tp": 1, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck + "/meta.json", "w"))
+    for f in os.listdir(src):
+        if f not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(os.path.join(src, f), ck)
+    assert "chat_template.jinja" in os.listdir(ck)
+    out = str(tmp_path / "out")
+    reshard.main([ck, "--to-hf", out, "--max-shard-gb", str(100e3 / 2 ** 30)])
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    tensors = {k: v for f in files for k, v in load_file(os.path.join(out, f)).items()}
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in tensors.values())
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["torch_dtype"] == "float32" and config["dtype"] == "float32"
+    bf = str(tmp_path / "out_bf16")  # another dtype than stored: both keys follow it (the source config says float32)
+    reshard.main([ck, "--to-hf", bf, "--dtype", "bf16"])
+    config = json.load(open(os.path.join(bf, "config.json")))
+    assert config["torch_dtype"] == "bfloat16" and config["dtype"] == "bfloat16"
+    tok, want_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.chat_template == helpers.CHAT_TEMPLATE
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == \
+        want_tok.apply_chat_template(msgs, add_generation_prompt=True)
+    ids = torch.tensor([[1, 5, 9, 200, 17]])
+    with torch.no_grad():
+        assert torch.allclose(helpers.hf_model(out)(ids).logits, helpers.hf_model(src)(ids).logits, atol=1e-5)

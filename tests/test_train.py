@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import helpers
-from data import prepare_synthetic
+from data import load_tokenizer, prepare_synthetic
 from model import load_model
 import train
 
@@ -603,3 +603,334 @@ def test_ppo_returns_carry_the_outcome_reward_to_every_response_token(small_synt
     assert lens.min() >= 1 and lens.max() > 1
     assert got["critic/returns/mean"] == pytest.approx(((score * lens).sum() / lens.sum()).item(), abs=1e-5)
     assert got["critic/rewards/mean"] == pytest.approx(score.mean().item(), abs=1e-6)
+
+
+def trainer(synth, out, *extra):
+    return train.Trainer(train.load_config(CONFIG, overrides(synth, str(out), *extra)))
+
+
+# ----------------------------------------------------------------------------- load_config
+
+
+def test_config_float_written_without_a_dot_is_a_float(small_synth, tmp_path):
+    """YAML reads 1e-6 (no dot) as a string; a float key takes it as the number (file and override)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"actor: {{model_path: {small_synth}/model, optim: {{lr: 1e-6}}}}\n"
+                    f"data: {{train_files: [{small_synth}/train.parquet]}}\nrollout: {{n: 2}}\n")
+    cfg = train.load_config(str(path), ["critic.optim.lr=2e-5"])
+    assert cfg.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 2e-5
+    assert isinstance(cfg.actor.optim.lr, float) and isinstance(cfg.critic.optim.lr, float)
+
+
+def test_config_single_string_for_a_list_key(small_synth, tmp_path):
+    cfg = train.load_config(CONFIG, overrides(small_synth, tmp_path, "trainer.logger=jsonl",
+                                              f"data.val_files={small_synth}/test.parquet"))
+    assert cfg.trainer.logger == ["jsonl"] and cfg.data.val_files == [f"{small_synth}/test.parquet"]
+
+
+def test_config_bool_is_not_an_int(small_synth, tmp_path):
+    """True is an int in Python; an int key must still refuse it (and a bool key an int)."""
+    with pytest.raises(TypeError, match="trainer.total_steps must be int, got True"):
+        train.load_config(CONFIG, overrides(small_synth, tmp_path, "trainer.total_steps=true"))
+    with pytest.raises(TypeError, match="data.shuffle must be true or false, got 1"):
+        train.load_config(CONFIG, overrides(small_synth, tmp_path, "data.shuffle=1"))
+
+
+def test_config_override_value_may_hold_an_equals_sign(small_synth, tmp_path):
+    cfg = train.load_config(CONFIG, overrides(small_synth, tmp_path, "reward.fn=/x/a=b.py:score"))
+    assert cfg.reward.fn == "/x/a=b.py:score"
+
+
+def test_config_betas_must_be_below_one(small_synth, tmp_path):
+    with pytest.raises(ValueError, match=r"actor\.optim\.betas=\[0\.9, 1\.0\] must be two numbers in \[0, 1\)"):
+        train.load_config(CONFIG, overrides(small_synth, tmp_path, "actor.optim.betas=[0.9, 1.0]"))
+
+
+def test_config_overlong_buffer_may_span_the_whole_response(small_synth, tmp_path):
+    ok = ("algorithm.overlong_buffer.enable=true", "data.max_response_length=4")
+    assert train.load_config(CONFIG, overrides(small_synth, tmp_path, *ok, "algorithm.overlong_buffer.len=4")) \
+        .algorithm.overlong_buffer.len == 4
+    with pytest.raises(ValueError, match=r"overlong_buffer\.len=5 must be in \(0, data\.max_response_length=4\]"):
+        train.load_config(CONFIG, overrides(small_synth, tmp_path, *ok, "algorithm.overlong_buffer.len=5"))
+
+
+@pytest.mark.parametrize("est", ["rloo", "reinforce_plus_plus_baseline"])
+def test_config_group_baselines_need_two_samples(small_synth, tmp_path, est):
+    with pytest.raises(ValueError, match=f"algorithm.adv_estimator={est} compares .*rollout.n=1 must be >= 2"):
+        train.load_config(CONFIG, overrides(small_synth, tmp_path, f"algorithm.adv_estimator={est}", "rollout.n=1"))
+
+
+def test_config_zero_temperature_is_refused(small_synth, tmp_path):
+    with pytest.raises(ValueError, match="rollout.temperature must be > 0"):
+        train.load_config(CONFIG, overrides(small_synth, tmp_path, "rollout.temperature=0"))
+
+
+# ----------------------------------------------------------------------------- DAPO dynamic sampling
+
+DAPO = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "algorithm.filter_groups.enable=true")
+
+
+def _scripted(t, per_draw):
+    """t.score returns per_draw[k](batch) for the k-th generation batch; returns the list of batches generated."""
+    seen, gen = [], t.generate
+
+    def generate(items, seed, val=False):
+        b = gen(items, seed, val)
+        seen.append(b)
+        return b
+    t.generate = generate
+    t.score = lambda batch: per_draw[min(len(seen), len(per_draw)) - 1](batch)
+    return seen
+
+
+def _same(batch):
+    return torch.ones(len(batch)), {}, 0
+
+
+def _mixed(batch):
+    return (torch.arange(len(batch)) % 2).float(), {}, 0
+
+
+def test_dynamic_sampling_gives_up_after_max_num_gen_batches(small_synth, tmp_path):
+    t = trainer(small_synth, tmp_path, *DAPO, "algorithm.filter_groups.max_num_gen_batches=3")
+    seen = _scripted(t, [_same])
+    with pytest.raises(RuntimeError, match="0 of 8 prompts had varied 'score' in 3 batches"):
+        t.rollout_batch()
+    assert len(seen) == 3
+
+
+def test_dynamic_sampling_max_zero_means_no_limit(small_synth, tmp_path):
+    t = trainer(small_synth, tmp_path, *DAPO, "algorithm.filter_groups.max_num_gen_batches=0")
+    seen = _scripted(t, [_same, _same, _mixed])
+    batch, metrics = t.rollout_batch()
+    assert len(seen) == 3 and metrics["train/num_gen_batches"] == 3.0
+    assert len(batch) == 8 * t.cfg.rollout.n
+
+
+def test_redrawn_prompts_get_fresh_samples(small_synth, tmp_path):
+    """The same prompts drawn again within a step (their first draw all dropped) must not repeat its samples."""
+    t = trainer(small_synth, tmp_path, *DAPO)
+    same = t.sampler.next_indices()
+    t.sampler.next_indices = lambda: list(same)
+    seen = _scripted(t, [_same, _mixed])
+    t.rollout_batch()
+    assert len(seen) == 2 and seen[0].prompts == seen[1].prompts
+    assert seen[0].responses != seen[1].responses
+
+
+def test_dynamic_sampling_on_a_scorers_extra_key(small_synth, tmp_path):
+    """filter_groups.metric names a key the reward function returns beside score (acc): filtered on it."""
+    t = trainer(small_synth, tmp_path, *DAPO, "algorithm.filter_groups.metric=acc")
+    seen = _scripted(t, [lambda b: (torch.ones(len(b)), {"acc": (torch.arange(len(b)) % 2).float()}, 0)])
+    batch, metrics = t.rollout_batch()
+    assert len(seen) == 1 and metrics["train/num_gen_batches"] == 1.0
+    assert torch.equal(batch.tensors["extra/acc"], (torch.arange(len(batch)) % 2).float())
+
+
+def test_dynamic_sampling_refuses_a_metric_missing_for_some_samples(small_synth, tmp_path):
+    t = trainer(small_synth, tmp_path, *DAPO, "algorithm.filter_groups.metric=acc")
+
+    def partial(b):
+        acc = (torch.arange(len(b)) % 2).float()
+        acc[3] = float("nan")
+        return torch.ones(len(b)), {"acc": acc}, 0
+    _scripted(t, [partial])
+    with pytest.raises(ValueError, match=r"only some samples \(1 of 64 lack it\)"):
+        t.rollout_batch()
+
+
+def test_an_extra_missing_from_a_whole_draw_is_nan(small_synth, tmp_path):
+    """Draw 1 keeps 4 of 8 groups (32 rows, acc = 1), draw 2 all 8 (no acc): the 64 rows kept are draw 1's 32 with
+    acc 1 and the first 32 of draw 2 with acc NaN (not 0, which would read as a real value)."""
+    t = trainer(small_synth, tmp_path, *DAPO)
+    n = t.cfg.rollout.n
+
+    def first(b):
+        s = (torch.arange(len(b)) % 2).float()
+        s[len(b) // 2:] = 0.0  # the last 4 groups all 0: dropped
+        return s, {"acc": torch.ones(len(b))}, 0
+    _scripted(t, [first, _mixed])
+    batch, _ = t.rollout_batch()
+    acc = batch.tensors["extra/acc"]
+    assert len(batch) == 8 * n
+    assert torch.equal(acc[:4 * n], torch.ones(4 * n)) and acc[4 * n:].isnan().all()
+
+
+# ----------------------------------------------------------------------------- score
+
+
+def test_score_marks_an_extra_a_sample_lacked_as_nan(small_synth, tmp_path):
+    t = trainer(small_synth, tmp_path)
+    calls = []
+
+    def fn(data_source, solution_str, ground_truth, extra_info):
+        calls.append(1)
+        return {"score": 0.5, "acc": 1.0} if len(calls) % 2 else {"score": 0.25}
+    t.reward_fn = fn
+    B = 4
+    batch = train.Batch([[1, 2]] * B, [[3]] * B, torch.arange(B), ["s"] * B, ["x"] * B, [{}] * B,
+                        torch.ones(B, 1), torch.zeros(B, 1))
+    scores, extras, errors = t.score(batch)
+    assert scores.tolist() == [0.5, 0.25, 0.5, 0.25] and errors == 0
+    assert extras["acc"][0::2].tolist() == [1.0, 1.0] and extras["acc"][1::2].isnan().all()
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def _val_records(out, step=0):
+    with open(os.path.join(out, "val_generations", f"step_{step}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_val_max_samples_and_the_generations_file(small_synth, tmp_path):
+    """val_max_samples=5 of 8, val_batch_size=2: five samples in three batches; the file holds each sample's own
+    prompt, response, ground truth and score (decoded here from the batches generated)."""
+    t = trainer(small_synth, tmp_path, "data.val_max_samples=5", "data.val_batch_size=2", "rollout.val_temperature=1.0")
+    seen, gen = [], t.generate
+    t.generate = lambda items, seed, val=False: seen.append(gen(items, seed, val)) or seen[-1]
+    t.validate()
+    recs = _val_records(str(tmp_path))
+    assert [len(b) for b in seen] == [2, 2, 1] and len(recs) == 5
+    want = [(t.tokenizer.decode(b.prompts[i]), t.tokenizer.decode(b.responses[i], skip_special_tokens=True),
+             b.ground_truth[i]) for b in seen for i in range(len(b))]
+    assert [(r["prompt"], r["response"], r["ground_truth"]) for r in recs] == want
+    assert len({r["response"] for r in recs}) > 1
+
+
+def test_validation_batches_draw_fresh_noise(small_synth, tmp_path):
+    """Sampled validation (val_temperature 1), one prompt per batch, the same prompt in each: the batches must not
+    reuse one seed (eight identical responses)."""
+    t = trainer(small_synth, tmp_path, "rollout.val_temperature=1.0", "data.val_batch_size=1",
+                "data.val_max_samples=8")
+    one = t.val_data.get_batch([0])
+    t.val_data.get_batch = lambda idx: [dict(one[0]) for _ in idx]
+    t.validate()
+    assert len({r["response"] for r in _val_records(str(tmp_path))}) > 1
+
+
+def test_validation_averages_by_data_source_and_names_val_n(small_synth, tmp_path):
+    """Two data sources (even / odd positions), scores by hand (position / 10), val_n=2, batches of 3: means of
+    a = (0+0+2+2+4+4+6+6)/80 and b = (1+1+3+3+5+5+7+7)/80, named mean@2."""
+    t = trainer(small_synth, tmp_path, "rollout.val_n=2", "data.val_batch_size=3")
+    get = t.val_data.get_batch
+
+    def two_sources(idx):
+        items = get(idx)
+        for i, it in zip(idx, items):
+            it["data_source"], it["extra_info"] = "a" if i % 2 == 0 else "b", {"pos": i}
+        return items
+    t.val_data.get_batch = two_sources
+    t.score = lambda b: (torch.tensor([e["pos"] / 10 for e in b.extra_info]), {}, 0)
+    got = t.validate()
+    assert set(got) == {"val-core/a/reward/mean@2", "val-core/b/reward/mean@2"}
+    assert got["val-core/a/reward/mean@2"] == pytest.approx(0.3)
+    assert got["val-core/b/reward/mean@2"] == pytest.approx(0.4)
+
+
+# ----------------------------------------------------------------------------- batch metrics
+
+
+def test_batch_metrics_by_hand(small_synth, tmp_path):
+    """Length statistics and clip ratio (responses that reached max_response_length = 4) from the batch, and the
+    MFU from first principles: 6 FLOPs per weight and token for forward + backward (body weights on every token,
+    the LM head on response tokens), causal attention QK^T and AV at 6 * heads * head_dim * len^2 per layer."""
+    t = trainer(small_synth, tmp_path, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
+    box, real = [], t.rollout_batch
+    t.rollout_batch = lambda: box.append(real()) or box[-1]
+    got = t.train_step()
+    batch = box[0][0]
+    rl = torch.tensor([len(r) for r in batch.responses], dtype=torch.float64)
+    pl = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float64)
+    assert got["response_length/clip_ratio"] == pytest.approx(float((rl == 4).double().mean()))
+    assert 0 < got["response_length/clip_ratio"] < 1
+    for k, x in (("response_length", rl), ("prompt_length", pl), ("critic/score", batch.tensors["seq_reward"])):
+        assert got[f"{k}/min"] == pytest.approx(float(x.min())) and got[f"{k}/max"] == pytest.approx(float(x.max()))
+    assert got["response_length/min"] < got["response_length/max"]
+    m = t.actor.model
+    c = m.cfg
+    body = sum(p.numel() for n, p in m.named_parameters() if n.startswith("layers.") and p.dim() == 2)
+    head = c.vocab_size * c.hidden_size
+    tokens, resp = float(rl.sum() + pl.sum()), float(rl.sum())
+    attn = 6 * c.num_layers * c.num_heads * c.head_dim * float(((rl + pl) ** 2).sum())
+    flops = 6 * body * tokens + 6 * head * resp + attn
+    want = flops / got["timing_s/update_actor"] / (t.cfg.trainer.peak_tflops * 1e12)
+    assert got["perf/mfu/actor"] == pytest.approx(want, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_resume_by_path_from_the_newest_step(small_synth, tmp_path):
+    """trainer.resume=PATH of the newest checkpoint in the run's own output_dir works; an older one, with a later
+    one beside it, is refused."""
+    out = str(tmp_path / "run")
+    t = trainer(small_synth, out, "trainer.keep_last_k=3")
+    for s in (1, 2):
+        t.step = s
+        t.save_checkpoint()
+    r = trainer(small_synth, out, f"trainer.resume={out}/checkpoints/step_2")
+    r.maybe_resume()
+    assert r.step == 2
+    r = trainer(small_synth, out, f"trainer.resume={out}/checkpoints/step_1")
+    with pytest.raises(ValueError, match=r"already holds later steps \[2\]"):
+        r.maybe_resume()
+
+
+def test_redone_step_replaces_its_published_checkpoint(small_synth, tmp_path):
+    """A crash after step_2 was published but before `latest` named it: auto-resume from step 1, and the redone save
+    of step 2 replaces the old step_2 and publishes it."""
+    out = str(tmp_path / "run")
+    t = trainer(small_synth, out, "trainer.keep_last_k=3")
+    for s in (1, 2):
+        t.step = s
+        t.save_checkpoint()
+    ckpts = os.path.join(out, "checkpoints")
+    with open(os.path.join(ckpts, "latest"), "w") as f:
+        f.write("1")
+    r = trainer(small_synth, out, "trainer.keep_last_k=3", "trainer.resume=auto")
+    r.maybe_resume()
+    assert r.step == 1
+    r.step = 2
+    r.save_checkpoint()
+    assert open(os.path.join(ckpts, "latest")).read() == "2"
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_1", "step_2"]
+
+
+def test_checkpoint_holds_the_tokenizer(small_synth, tmp_path):
+    """A checkpoint carries the model's tokenizer files (reshard.py CKPT --to-hf copies them from there)."""
+    out = str(tmp_path / "run")
+    t = trainer(small_synth, out)
+    t.step = 1
+    t.save_checkpoint()
+    ck, model_dir = os.path.join(out, "checkpoints", "step_1"), f"{small_synth}/model"
+    want = {f for f in os.listdir(model_dir) if f.startswith("tokenizer")}
+    assert want and want <= set(os.listdir(ck))
+    a, b = load_tokenizer(ck), load_tokenizer(model_dir)
+    assert a.get_vocab() == b.get_vocab() and a("1 2 3")["input_ids"] == b("1 2 3")["input_ids"]
+
+
+# ----------------------------------------------------------------------------- fit
+
+SMALL = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
+
+
+def test_last_step_validates_and_saves(small_synth, tmp_path):
+    """total_steps=3, test_freq=save_freq=2: validation and a checkpoint at step 2 and at the last step, 3."""
+    out = str(tmp_path)
+    rows = run(small_synth, str(out), "trainer.total_steps=3", "trainer.test_freq=2", "trainer.save_freq=2",
+               "trainer.keep_last_k=3", "data.val_max_samples=4", *SMALL)
+    key = "val-core/synthetic/copy/reward/mean@1"
+    assert [key in r for r in rows] == [False, True, True]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_2", "step_3"]
+
+
+def test_val_before_train_only_on_a_fresh_run(small_synth, tmp_path):
+    """trainer.val_before_train validates at step 0 of a fresh run, not again when a run resumes."""
+    out = str(tmp_path)
+    common = ("trainer.test_freq=-1", "trainer.save_freq=1", "trainer.val_before_train=true",
+              "trainer.resume=auto", "data.val_max_samples=4", *SMALL)
+    run(small_synth, str(out), "trainer.total_steps=1", *common)
+    rows = run(small_synth, str(out), "trainer.total_steps=2", *common)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [any(k.startswith("val-core") for k in r) for r in rows] == [True, False, False]
