@@ -134,8 +134,8 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         # Mistral always slides (4096 unless set, null: never); Qwen2/3 only with use_sliding_window, and then only
         # the layers from max_window_layers on (or as layer_types says): none of them, no window
-        slides = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else ""
-                                          for i in range(c["num_hidden_layers"])]
+        slides = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else
+                                          "full_attention" for i in range(c["num_hidden_layers"])]
         sw = c.get("sliding_window", 4096) if arch == "MistralForCausalLM" else (
             c.get("sliding_window") if c.get("use_sliding_window") and "sliding_attention" in slides else None)
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],

@@ -46,6 +46,13 @@ def overrides(synth, out, *extra):
             *extra]
 
 
+def step_with_batch(t):
+    """One train_step of Trainer t: (its metrics, the Batch of rollouts it trained on)."""
+    seen, rollout = [], t.rollout_batch
+    t.rollout_batch = lambda: seen.append(rollout()) or seen[-1]
+    return t.train_step(), seen[0][0]
+
+
 def run(synth, out, *extra):
     train.main([CONFIG, *overrides(synth, out, *extra)])
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -129,10 +136,9 @@ def test_entropy_is_pi_olds_aggregated_as_the_loss(synth, tmp_path):
     of the model taken before the step, the entropy worked from log_softmax in float64."""
     t = train.Trainer(train.load_config(CONFIG, overrides(synth, str(tmp_path), "rollout.temperature=0.7",
                                                           "actor.loss_agg_mode=seq-mean-token-sum")))
-    before, seen, rollout = copy.deepcopy(t.actor.model), [], t.rollout_batch
-    t.rollout_batch = lambda: seen.append(rollout()) or seen[-1]
-    got = t.train_step()["actor/entropy"]
-    batch, per_seq = seen[0][0], []
+    before = copy.deepcopy(t.actor.model)
+    metrics, batch = step_with_batch(t)
+    got, per_seq = metrics["actor/entropy"], []
     with torch.no_grad():
         for p, r in zip(batch.prompts, batch.responses):
             if r:  # (an empty response is no sequence in the seq-* modes)
@@ -487,15 +493,7 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
     t.ref.model.init_random(seed=1234, std=0.2)  # a reference policy clearly unlike the actor
     actor0 = {n: p.detach().clone() for n, p in t.actor.model.named_parameters()}
     ref0 = {n: p.detach().clone() for n, p in t.ref.model.named_parameters()}
-    box, real = [], t.rollout_batch
-
-    def capture():
-        b, m = real()
-        box.append(b)
-        return b, m
-    t.rollout_batch = capture
-    got = t.train_step()
-    batch = box[0]
+    got, batch = step_with_batch(t)
     T, mask = batch.tensors, batch.response_mask
     assert len(batch) == 128 and mask.sum(-1).min() >= 1
 
@@ -591,15 +589,8 @@ def test_ppo_returns_carry_the_outcome_reward_to_every_response_token(small_synt
         small_synth, str(tmp_path), "trainer.total_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
         "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0")))
     t.score = lambda batch: (torch.linspace(-1.0, 1.0, len(batch)), {}, 0)
-    box, real = [], t.rollout_batch
-
-    def capture():
-        b, m = real()
-        box.append(b)
-        return b, m
-    t.rollout_batch = capture
-    got = t.train_step()
-    lens, score = box[0].response_mask.sum(-1), torch.linspace(-1.0, 1.0, len(box[0]))
+    got, batch = step_with_batch(t)
+    lens, score = batch.response_mask.sum(-1), torch.linspace(-1.0, 1.0, len(batch))
     assert lens.min() >= 1 and lens.max() > 1
     assert got["critic/returns/mean"] == pytest.approx(((score * lens).sum() / lens.sum()).item(), abs=1e-5)
     assert got["critic/rewards/mean"] == pytest.approx(score.mean().item(), abs=1e-6)
@@ -836,10 +827,7 @@ def test_batch_metrics_by_hand(small_synth, tmp_path):
     MFU from first principles: 6 FLOPs per weight and token for forward + backward (body weights on every token,
     the LM head on response tokens), causal attention QK^T and AV at 6 * heads * head_dim * len^2 per layer."""
     t = trainer(small_synth, tmp_path, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
-    box, real = [], t.rollout_batch
-    t.rollout_batch = lambda: box.append(real()) or box[-1]
-    got = t.train_step()
-    batch = box[0][0]
+    got, batch = step_with_batch(t)
     rl = torch.tensor([len(r) for r in batch.responses], dtype=torch.float64)
     pl = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float64)
     assert got["response_length/clip_ratio"] == pytest.approx(float((rl == 4).double().mean()))
