@@ -576,8 +576,10 @@ def test_samples_continue_from_their_own_prompt_copy_after_the_first_stops(model
 def test_cli_uses_seed_and_stops_at_the_generation_config_eos(tmp_path, capsys, monkeypatch):
     """`python rollout.py MODEL --prompt ...`: --seed picks the draws, the EOS ids of generation_config.json
     end a completion (here the greedy first token is made the EOS: one token, finish reason stop), and only the
-    tokenizer's ids are drawn."""
+    tokenizer's ids are drawn. On CPU, in fp32, like the teacher-forced reference (the CLI takes a GPU when there is
+    one)."""
     from transformers import AutoTokenizer
+    monkeypatch.setattr(rollout.torch.cuda, "is_available", lambda: False)
     path = helpers.make_checkpoint(str(tmp_path / "m"), "qwen2")
     ids = AutoTokenizer.from_pretrained(path).encode("hello")
     first = teacher_logits(load_model(path), ids)[-1].argmax().item()
