@@ -491,21 +491,6 @@ def synthetic_tokenizer():
                                    chat_template=SYNTHETIC_TEMPLATE)
 
 
-def _synthetic_rows(task: str, n: int, split: str, rng: np.random.Generator) -> list[dict]:
-    rows = []
-    for i in range(n):
-        a = int(rng.integers(10))
-        if task == "copy":
-            content, truth = f"copy {a}", str(a)
-        else:
-            b = int(rng.integers(10 - a))  # a + b <= 9: the answer is one digit
-            content, truth = f"{a}+{b}=", str(a + b)
-        rows.append({"prompt": [{"role": "user", "content": content}], "data_source": f"synthetic/{task}",
-                     "ability": "synthetic", "reward_model": {"style": "rule", "ground_truth": truth},
-                     "extra_info": {"split": split, "index": i}})
-    return rows
-
-
 def prepare_synthetic(out: str, task: str = "copy", n_train: int = 2000, n_test: int = 200, seed: int = 0) -> None:
     """A task a tiny random model learns by RL alone: parquet files plus a model dir (tokenizer, config)."""
     if task not in ("copy", "add"):
@@ -513,7 +498,18 @@ def prepare_synthetic(out: str, task: str = "copy", n_train: int = 2000, n_test:
     model_dir = os.path.join(out, "model")
     os.makedirs(model_dir, exist_ok=True)
     for split, n, s in zip(("train", "test"), (n_train, n_test), np.random.SeedSequence(seed).spawn(2)):
-        _write_parquet(_synthetic_rows(task, n, split, np.random.default_rng(s)), os.path.join(out, f"{split}.parquet"))
+        rng, rows = np.random.default_rng(s), []
+        for i in range(n):
+            a = int(rng.integers(10))
+            if task == "copy":
+                content, truth = f"copy {a}", str(a)
+            else:
+                b = int(rng.integers(10 - a))  # a + b <= 9: the answer is one digit
+                content, truth = f"{a}+{b}=", str(a + b)
+            rows.append({"prompt": [{"role": "user", "content": content}], "data_source": f"synthetic/{task}",
+                         "ability": "synthetic", "reward_model": {"style": "rule", "ground_truth": truth},
+                         "extra_info": {"split": split, "index": i}})
+        _write_parquet(rows, os.path.join(out, f"{split}.parquet"))
     tok = synthetic_tokenizer()
     ids = tok.convert_tokens_to_ids
     config = {

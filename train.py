@@ -27,8 +27,7 @@ One step
    micro-batches and DP ranks), so the gradient is the same however the batch was split.
 
 Results of the last pipeline stage reach every rank as a world sum to which only the (last stage, tp rank 0) ranks
-contribute, so every rank sees the same numbers.
-"""
+contribute, so every rank sees the same numbers."""
 from __future__ import annotations
 
 import contextlib
