@@ -26,7 +26,6 @@ each response token lands in the [rows, R] tensors (`scatter_rows` puts per-toke
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import heapq
 import itertools
@@ -78,8 +77,7 @@ def atomic_write(path: str, write) -> None:
         fsync(tmp)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        pathlib.Path(tmp).unlink(missing_ok=True)
     fsync(os.path.dirname(os.path.abspath(path)))
 
 
@@ -123,8 +121,7 @@ def _clear_stale_lock(lock: str) -> None:
             os.kill(int(pid), 0)  # signal 0 only checks that the process exists
     except ProcessLookupError:
         logger.warning("removing lock %s left by dead process %s", lock, pid)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(lock)
+        pathlib.Path(lock).unlink(missing_ok=True)
     except (OSError, ValueError):  # lock gone already, its owner mid-write, or alive under another user
         pass
 
@@ -202,8 +199,7 @@ class PromptDataset:
                     if self._try_open() is None:
                         raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
             finally:  # (a waiter that judged this lock stale may have removed it already)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(lock)
+                pathlib.Path(lock).unlink(missing_ok=True)
         return table
 
     def _build(self, out_path: str) -> None:
