@@ -61,8 +61,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """sum(m (x - mean)^2) / sum(m), times the Bessel factor N/(N-1) when unbiased and N > 1."""
-    centered = x - masked_mean(x, mask)
-    var = masked_mean(centered * centered, mask)
+    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
     if unbiased and (n := float(mask.to(x.dtype).sum())) > 1:
         var = var * (n / (n - 1))
     return var
@@ -361,11 +360,10 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tenso
 
     The batch KL is mean_i (mean_t kl_{i,t}), the mean per-sequence KL, and the controller steps by n_steps = batch
     size. Call it on the full batch (identical on every rank) so the controllers of all ranks stay in lockstep."""
-    mask = response_mask.to(token_level_scores.dtype)
     kld = torch.where(response_mask.bool(), _kl_estimate(old_log_prob, ref_log_prob, kl_penalty), 0.0)
     beta = kl_ctrl.value
     token_level_rewards = token_level_scores - beta * kld
-    current_kl = float(masked_mean(kld, mask, dim=-1).mean())
+    current_kl = float(masked_mean(kld, response_mask, dim=-1).mean())
     kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
     return token_level_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
@@ -408,20 +406,18 @@ def compute_rollout_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: tor
     token: w_t = min(exp(logp_old_t - logp_rollout_t), threshold);
     sequence: w = min(exp(sum_t (logp_old_t - logp_rollout_t)), threshold), broadcast over tokens.
     Detached; 0 on padding."""
-    mask = response_mask.to(old_log_prob.dtype)
     if level not in ("token", "sequence"):
         raise ValueError(f"unknown rollout IS level {level!r}; valid: token, sequence")
     log_ratio = (old_log_prob - rollout_log_prob).detach()
-    log_w = log_ratio if level == "token" else _masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    log_w = log_ratio if level == "token" else _masked_sum(log_ratio, response_mask, dim=-1).unsqueeze(-1)
     w = torch.clamp(torch.exp(torch.clamp(log_w, -20.0, 20.0)), max=threshold)
-    return torch.where(mask.bool(), w, torch.zeros_like(w)) * mask
+    return torch.where(response_mask.bool(), w, 0.0)  # (the sequence level's [B, 1] broadcast over tokens)
 
 
 def rollout_mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
                              response_mask: torch.Tensor) -> dict[str, float]:
     """|p_train - p_rollout| of the sampled tokens over valid tokens: mean, max, std."""
-    valid = response_mask.bool()
-    diff = (torch.exp(old_log_prob) - torch.exp(rollout_log_prob)).abs()[valid].double()
+    diff = (torch.exp(old_log_prob) - torch.exp(rollout_log_prob)).abs()[response_mask.bool()].double()
     diff = diff if diff.numel() else torch.zeros(1, dtype=torch.float64)  # no valid token: report zeros
     return {"training/rollout_probs_diff_mean": float(diff.mean()),
             "training/rollout_probs_diff_max": float(diff.max()),

@@ -160,9 +160,9 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
             raise ValueError(f"{name}: {key}={n} is not divisible by tp={tp}{how}; valid tp sizes for "
                              f"this model and {world_size} ranks: {valid}")
     if pp > cfg.num_layers:
-        fits = [p for p in range(1, cfg.num_layers + 1) if world_size % (tp * p) == 0]
+        valid_pp = [p for p in range(1, cfg.num_layers + 1) if world_size % (tp * p) == 0]
         raise ValueError(f"{name}: pp={pp} exceeds num_hidden_layers={cfg.num_layers}; valid pp sizes for tp={tp} "
-                         f"and {world_size} ranks: {fits}")
+                         f"and {world_size} ranks: {valid_pp}")
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, head_cost: float = 0.0) -> tuple[int, int]:
@@ -700,11 +700,7 @@ class ShardedAdamW:
                 torch._fused_adamw_(w, [self.grad_buffer[a:b] for a, b, _ in runs], avg, sq, [], [t] * len(runs),
                                     lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, amsgrad=False,
                                     weight_decay=self.weight_decay if decay else 0.0, maximize=False)
-        self._publish()
-
-    def _publish(self) -> None:
-        """All-gather the master parts into the compute parameters (cast to their dtype), bucket by bucket. The
-        fp32 grad buffer is spent by now: its memory stages the gathered weights, and it is zeroed after."""
+        # publish: all-gather the master parts into the parameters, staged (in their dtype) in the spent grad buffer
         dtype = self.params[0].dtype
         full = self.grad_buffer.view(torch.uint8)[:self.grad_buffer.numel() * dtype.itemsize].view(dtype)
         self._gather(self.master, full)
