@@ -3,8 +3,7 @@
 RL post-training on reasoning tasks needs no learned reward model: the answer is pulled out of the response with a
 fixed rule and compared with the ground truth. Every scorer has verl's signature
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
-where `data_source` (a column of the dataset) picks the rule, and a dict result carries "score" plus extra
-per-sample numbers to log (e.g. "acc").
+where `data_source` (a dataset column) picks the rule; a dict result carries "score" and extra numbers to log ("acc").
 
 The rules:
   openai/gsm8k   strict: the last "#### <number>" in the last 300 characters of the response; flexible: the last
@@ -51,7 +50,7 @@ def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
         found = [f for f in re.findall(r"-?[0-9.,]+", text) if f.strip(".,-")]
     else:
         raise ValueError(f"unknown gsm8k method {method!r}; valid: strict, flexible")
-    return found[-1].replace(",", "").replace("$", "").rstrip(".") if found else None  # "18." ends a sentence
+    return found[-1].replace(",", "").rstrip(".") if found else None  # "18." ends a sentence
 
 
 def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
@@ -71,20 +70,15 @@ def last_boxed_only_string(text: str) -> str | None:
     "\\boxed {...}"; or "\\boxed x" up to "$"; or None."""
     if (idx := max(text.rfind("\\boxed"), text.rfind("\\fbox"))) < 0:
         return None
-    name = "\\boxed" if text.startswith("\\boxed", idx) else "\\fbox"
-    start = idx + len(name)
-    while text.startswith(" ", start):
-        start += 1
+    m = re.compile(r"\\(boxed|fbox)( *)").match(text, idx)
+    name, start = "\\" + m.group(1), m.end()
     if not text.startswith("{", start):
-        return text[idx:].split("$")[0] if name == "\\boxed" and start > idx + len(name) else None
+        return text[idx:].split("$")[0] if name == "\\boxed" and m.group(2) else None
     depth = 0
     for j in range(start, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return name + text[start:j + 1]
+        depth += (text[j] == "{") - (text[j] == "}")
+        if depth == 0:  # back to 0 only at the brace that closes text[start]
+            return name + text[start:j + 1]
     return None  # unbalanced: the response was cut off inside the box
 
 
@@ -127,8 +121,7 @@ def _as_rational(s: str) -> Fraction | None:
     m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}", s)
     try:
         if m:
-            value = Fraction(int(m.group(2)), int(m.group(3)))
-            return -value if m.group(1) else value
+            return (-1 if m.group(1) else 1) * Fraction(int(m.group(2)), int(m.group(3)))
         return Fraction(s) if re.fullmatch(r"-?\d+(\.\d+)?", s) else None
     except (ZeroDivisionError, ValueError):  # (ValueError: past Python's 4300-digit limit for int(str))
         return None
@@ -147,10 +140,9 @@ def is_equiv(a: str | None, b: str | None) -> bool:
 
 def math_score(solution_str: str, ground_truth: str) -> float:
     """1.0 if the last boxed answer of the response equals the ground truth, else 0.0."""
-    if (boxed := last_boxed_only_string(solution_str)) is None:
-        return 0.0
+    boxed = last_boxed_only_string(solution_str)
     ground_truth = remove_boxed(last_boxed_only_string(ground_truth) or ground_truth)  # a boxed ground truth too
-    return 1.0 if is_equiv(remove_boxed(boxed), ground_truth) else 0.0
+    return float(boxed is not None and is_equiv(remove_boxed(boxed), ground_truth))
 
 
 # DAPO normalizes answers as Minerva does (Lewkowycz et al. 2022, appendix D): these rewrites, then these words and
@@ -230,8 +222,8 @@ def load_reward_fn(spec: str | None) -> Callable:
     called with keyword arguments (as verl does), so its parameters must carry these names."""
     if spec is None:
         return compute_score
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
         raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:function'")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"reward function file not found: {path!r} (from {spec!r})")
@@ -263,10 +255,9 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
     A dict result gives its "score"; its other numeric keys (bools count) go to `extras`, one list per key aligned with
     the batch (None where a sample lacked the key). A scorer that raises is logged and scores 0.0. A result that is
     neither a number nor a dict with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
-    n = len(solution_strs)
-    extra_infos = extra_infos if extra_infos is not None else [None] * n
+    extra_infos = [None] * len(solution_strs) if extra_infos is None else extra_infos
     scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, the numeric extras of its dict result
-    for i in range(n):
+    for i in range(len(solution_strs)):
         try:
             result = reward_fn(data_source=data_sources[i], solution_str=solution_strs[i],
                                ground_truth=ground_truths[i], extra_info=extra_infos[i])
