@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, fused,
-                      stage_layers, tp_rows)
+from parallel import (ColumnParallelLinear, Layout, RowParallelLinear, VocabParallelEmbedding, _param, copy_to_tp,
+                      fused, stage_layers, tp_rows)
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
@@ -171,8 +171,7 @@ class ModelConfig:
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-        self.weight.tp_dim, self.weight.tp_parts, self.weight.tp_unit = None, None, 1
+        self.eps, self.weight = eps, _param((dim,), None, None, dtype, device, torch.ones)  # replicated over TP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused(rms_norm, x)(x, self.weight, self.eps)

@@ -22,8 +22,7 @@ With tp_g > tp a rank narrows its shard instead: n = tp_g / tp training replicas
 replica, the rank of replica d keeping part d % n of its TP slice t, which is generation slice t*n + d % n. So a
 generation TP group lists its ranks in slice order, not ascending (W=4, tp=2, dp=2, tp_g=4: [0 2 1 3]). With pp > 1 a
 rank also gathers other stages' layers. Fused parameters follow `p.tp_parts`: a qkv shard is [q_t; k_t; v_t], so the k
-gathered blocks merge per piece, on head boundaries; of a replicated KV head (tp > num_kv_heads) the merge keeps one
-copy.
+gathered blocks merge per piece, on head boundaries; a replicated KV head (tp > num_kv_heads) is kept once.
 
 Memory
 ------
@@ -86,7 +85,6 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
 
 
 def _check_sort_ranks(tp: int, tp_g: int) -> None:
-    # tp_g > tp > 1 lists a generation TP group's ranks in slice order: new_group must keep it (torch >= 2.12)
     if tp_g > tp > 1 and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
         raise RuntimeError(f"rollout tp={tp_g} above training tp={tp} lists its TP groups' ranks in slice order, not "
                            f"ascending, which needs torch >= 2.12 (new_group's sort_ranks); this is "
@@ -438,11 +436,7 @@ def read_shard(model: Transformer, ckpt_dir: str, prefix: str = "model"):
                          ", ".join(f"{k}={theirs[k]!r} (model has {mine[k]!r})" for k in diff))
     for name, p in model.named_parameters():
         full = torch.cat([ck.tensor(hf) for hf in model.hf_names(name)], p.tp_dim or 0)
-        lay = model.layout
-        if (local := _sub(full, p.tp_dim, p.tp_parts, lay.tp, lay.tp_rank, p.tp_unit)).shape != p.shape:
-            raise ValueError(f"checkpoint {ckpt_dir!r}: {name} gives shape {list(local.shape)}, "
-                             f"model has {list(p.shape)}")
-        yield name, local
+        yield name, _sub(full, p.tp_dim, p.tp_parts, model.layout.tp, model.layout.tp_rank, p.tp_unit)
 
 
 @torch.no_grad()
