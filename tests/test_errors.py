@@ -28,6 +28,7 @@ from unittest import mock
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 import data
@@ -166,6 +167,20 @@ def _truncated_hf(env, tmp):
         blob = open(fn, "rb").read()
         open(fn, "wb").write(blob[:len(blob) // 2])
     return load_model(d)
+
+
+def _tied_with_its_own_head(env, tmp):
+    """The synthetic model is tied; its export plus an lm_head.weight: the same tensor loads, another one is refused."""
+    from safetensors.torch import load_file, save_file
+    d = _model_dir(tmp, _synth_config(env), weights_from=env.hf)
+    (fn,), index = glob.glob(os.path.join(d, "model-*.safetensors")), os.path.join(d, "model.safetensors.index.json")
+    meta = json.load(open(index))
+    json.dump({**meta, "weight_map": {**meta["weight_map"], "lm_head.weight": os.path.basename(fn)}}, open(index, "w"))
+    w = load_file(fn)
+    for head in (w["model.embed_tokens.weight"].clone(), w["model.embed_tokens.weight"] + 1e-3):
+        save_file({**w, "lm_head.weight": head}, fn, metadata={"format": "pt"})
+        model = load_model(d)
+        assert torch.equal(model.lm_head.weight, w["model.embed_tokens.weight"])
 
 
 def _dataset(env, tmp, files, **kw):
@@ -426,6 +441,9 @@ CASES = [
          r"model directory '.*model' has no \*\.safetensors weights"),
     Case("model-truncated-weights", "model-00001-of-00001.safetensors cut in half", _truncated_hf, ValueError,
          r"model-00001-of-00001\.safetensors: .*(truncated|corrupt)"),
+    Case("model-tied-head-differs", "tie_word_embeddings: true, an lm_head.weight other than the embedding",
+         _tied_with_its_own_head, ValueError, r"model: config\.json has tie_word_embeddings=true, but the "
+         r"checkpoint's lm_head\.weight differs from model\.embed_tokens\.weight; set it to false to load both"),
     Case("model-weight-shape-mismatch", "config.json intermediate_size=256, weights of 128",
          lambda env, tmp: load_model(_model_dir(tmp, _synth_config(env, intermediate_size=256),
                                                 weights_from=env.hf)), ValueError,
