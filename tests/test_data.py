@@ -560,9 +560,14 @@ def test_a_message_whose_content_is_not_a_string_is_refused(tmp_path, tok):
             data.PromptDataset([f], tok, 256)
 
 
-def test_synthetic_test_split_is_not_a_copy_of_the_train_split(tmp_path):
-    """The two splits are drawn from independent streams: the test prompts are not the first train prompts again."""
-    data.prepare_synthetic(str(tmp_path), "add", n_train=50, n_test=20, seed=0)
-    train, test = (pq.read_table(str(tmp_path / f"{s}.parquet")).to_pylist() for s in ("train", "test"))
-    content = lambda rows: [r["prompt"][0]["content"] for r in rows]  # noqa: E731
-    assert len(train) == 50 and len(test) == 20 and content(test) != content(train)[:20]
+def test_synthetic_splits_are_independent_streams(tmp_path):
+    """Each split draws from its own child of the seed: the test prompts stay put when n_train changes and are not
+    the first train prompts again, the train prompts of a longer split extend the shorter one, another seed differs."""
+    def prompts(name, split):
+        return [r["prompt"][0]["content"] for r in pq.read_table(str(tmp_path / name / f"{split}.parquet")).to_pylist()]
+    for name, n_train, seed in (("a", 50, 0), ("b", 80, 0), ("c", 50, 1)):
+        data.prepare_synthetic(str(tmp_path / name), "add", n_train=n_train, n_test=20, seed=seed)
+    a_train, a_test = prompts("a", "train"), prompts("a", "test")
+    assert len(a_train) == 50 and len(a_test) == 20 and a_test != a_train[:20]
+    assert prompts("b", "test") == a_test and prompts("b", "train")[:50] == a_train
+    assert prompts("c", "test") != a_test and prompts("c", "train") != a_train
