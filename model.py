@@ -617,8 +617,10 @@ class Transformer(nn.Module):
         # a value head is a fresh critic head, not in the checkpoint; load_model initialises it
         self._fill([(n, p) for n, p in self.named_parameters() if not n.startswith("value_head.")], read)
         if self.cfg.tie_word_embeddings and "lm_head.weight" in where and self.lm_head is not None:
-            head, emb = (handles[where[k]].get_tensor(k) for k in ("lm_head.weight", "model.embed_tokens.weight"))
-            if not torch.equal(head, emb):  # transformers would untie them: not the model config.json describes
+            w = self.lm_head.weight  # this rank's rows of the embedding: the stored head's same rows must equal them
+            stored = read("lm_head.weight", 0, "lm_head.weight", [w.tp_parts[0], *w.shape[1:]])
+            if not torch.equal(stored[tp_rows(w.tp_parts[0], self.layout.tp, self.layout.tp_rank)].to(w), w):
+                # transformers would untie them: not the model config.json describes
                 raise ValueError(f"{path}: config.json has tie_word_embeddings=true, but the checkpoint's "
                                  "lm_head.weight differs from model.embed_tokens.weight; set it to false to load both")
 

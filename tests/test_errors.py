@@ -37,7 +37,7 @@ import rewards
 import train
 from data import prepare_synthetic
 from model import ModelConfig, load_model
-from parallel import Layout, validate_layout
+from parallel import Layout, tp_rows, validate_layout
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny.yaml")
 README = os.path.join(os.path.dirname(CONFIG), "..", "README.md")
@@ -176,11 +176,21 @@ def _tied_with_its_own_head(env, tmp):
     (fn,), index = glob.glob(os.path.join(d, "model-*.safetensors")), os.path.join(d, "model.safetensors.index.json")
     meta = json.load(open(index))
     json.dump({**meta, "weight_map": {**meta["weight_map"], "lm_head.weight": os.path.basename(fn)}}, open(index, "w"))
-    w = load_file(fn)
-    for head in (w["model.embed_tokens.weight"].clone(), w["model.embed_tokens.weight"] + 1e-3):
-        save_file({**w, "lm_head.weight": head}, fn, metadata={"format": "pt"})
-        model = load_model(d)
-        assert torch.equal(model.lm_head.weight, w["model.embed_tokens.weight"])
+    w, emb = load_file(fn), load_file(fn)["model.embed_tokens.weight"]
+    save_file({**w, "lm_head.weight": emb.clone()}, fn, metadata={"format": "pt"})
+    for lay in (None, Layout(tp=2, tp_rank=0), Layout(tp=2, tp_rank=1)):
+        rows = tp_rows(len(emb), lay.tp, lay.tp_rank) if lay else slice(None)
+        assert torch.equal(load_model(d, lay).lm_head.weight, emb[rows])
+    differs = emb.clone()
+    differs[-1] += 1e-3  # in TP rank 1's rows only: each rank compares the rows it holds
+    save_file({**w, "lm_head.weight": differs}, fn, metadata={"format": "pt"})
+    try:
+        load_model(d, Layout(tp=2, tp_rank=0))
+    except ValueError as e:  # not the case's expected error: rank 0's rows are equal
+        raise AssertionError(f"TP rank 0 holds equal rows, yet: {e}") from None
+    with pytest.raises(ValueError, match="differs from model.embed_tokens.weight"):
+        load_model(d, Layout(tp=2, tp_rank=1))
+    return load_model(d)
 
 
 def _dataset(env, tmp, files, **kw):
