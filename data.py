@@ -97,11 +97,13 @@ def _sha256_file(path: str) -> str:
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of what decides the token ids: the backend's whole pipeline (not just its vocab) and the chat template."""
+    """A hash of what decides the token ids: the backend's whole pipeline (not just its vocab), the chat template and
+    the special tokens it is rendered with (apply_chat_template passes special_tokens_map: {{ bos_token }}, ...)."""
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
@@ -277,6 +279,10 @@ class PromptDataset:
             raise IndexError(f"index {i} out of range for a dataset of {len(self)} prompts")
         return self.get_batch([i % len(self)])[0]
 
+    def distinct(self, column: str) -> list:
+        """The distinct values of a column (e.g. every data_source, for the trainer's check of its scorers)."""
+        return self._table.column(column).unique().to_pylist()
+
     def get_batch(self, indices: list[int]) -> list[dict]:
         if bad := [i for i in indices if not 0 <= i < len(self)]:
             raise IndexError(f"indices {bad[:5]} out of range for a dataset of {len(self)} prompts")
@@ -309,6 +315,8 @@ class Sampler:
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
         if not 1 <= batch_size <= num_items:
             raise ValueError(f"batch_size={batch_size} must be between 1 and the dataset size {num_items}")
+        if seed < 0:  # numpy's default_rng takes non-negative seeds only; fail now, not at the first draw
+            raise ValueError(f"sampler seed (data.seed) must be >= 0, got {seed}")
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, None
@@ -448,7 +456,11 @@ def prepare_gsm8k(src: str, out: str) -> None:
                     ex = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: line {line_no}: not valid JSON ({e})") from None
-                if "####" not in ex.get("answer", ""):
+                if not (isinstance(ex, dict) and isinstance(ex.get("question"), str)
+                        and isinstance(ex.get("answer"), str)):
+                    raise ValueError(f"{path}: line {line_no}: expected an object with string 'question' and 'answer', "
+                                     f"got {line.strip()[:100]}")
+                if "####" not in ex["answer"]:
                     raise ValueError(f"{path}: line {line_no}: answer has no '####' final-answer marker")
                 truth = ex["answer"].split("####")[-1].replace(",", "").strip()
                 rows.append({"prompt": [{"role": "user", "content": ex["question"] + GSM8K_INSTRUCTION}],

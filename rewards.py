@@ -34,7 +34,10 @@ import sys
 from fractions import Fraction
 from typing import Callable
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
+_NUMBER = (numbers.Real, np.bool_)  # numpy's bool is not registered as a numbers.Real (its ints and floats are)
 
 # --------------------------------------------------------------------------- GSM8K
 
@@ -98,7 +101,8 @@ def strip_math_string(s: str) -> str:
     s = re.sub(r"\^\{?\\circ\}?", "", s).replace("°", "")
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").replace("\\ ", "")
     s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
-    s = re.sub(r"^(.+?)\\(?:text|mbox|mathrm)\{[a-zA-Z\s]*\}(\^\{?\d\}?)?$", r"\1", s)  # a trailing unit: 5\text{ cm}
+    # a trailing unit: 5\text{ cm}, 5\mathrm{cm}; not one \mathrm letter, a constant as often as a unit (2\mathrm{i})
+    s = re.sub(r"^(.+?)\\(?:text\{|mbox\{|mathrm\{(?=\s*[a-zA-Z]\s*[a-zA-Z]))[a-zA-Z\s]*\}(\^\{?\d\}?)?$", r"\1", s)
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s).strip().rstrip(".").strip()  # \text{word}
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
         s = s.split("=")[1]
@@ -112,7 +116,7 @@ def strip_math_string(s: str) -> str:
     if m := re.fullmatch(r"(-?\d+)/(\d+)", s):
         s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     s = re.sub(r"(?<![0-9])\.(?=[0-9])", "0.", s)  # .5 -> 0.5
-    s = re.sub(r"(\d)\.0+(?![0-9])", r"\1", s)  # 72.0 -> 72
+    s = re.sub(r"(\d)\.0+(?![0-9.])", r"\1", s)  # 72.0 -> 72 (and 1.0.1 stays)
     return s
 
 
@@ -203,15 +207,21 @@ KNOWN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, "math_dapo", "aime*", "synthetic
 def compute_score(data_source: str, solution_str: str, ground_truth: str,
                   extra_info: dict | None = None) -> float | dict:
     """Score one response with the rule chosen by `data_source` (see the module docstring)."""
+    if not has_rule(data_source):
+        raise ValueError(f"no rule-based scorer for data_source {data_source!r}; known: {', '.join(KNOWN_SOURCES)}")
     if data_source == "openai/gsm8k":
         return gsm8k_score(solution_str, ground_truth)
     elif data_source in MATH_SOURCES:
         return math_score(solution_str, ground_truth)
     elif data_source == "math_dapo" or data_source.startswith("aime"):
         return math_dapo_score(solution_str, ground_truth)
-    elif data_source in ("synthetic/copy", "synthetic/add"):
-        return synthetic_score(data_source, solution_str, ground_truth)
-    raise ValueError(f"no rule-based scorer for data_source {data_source!r}; known: {', '.join(KNOWN_SOURCES)}")
+    return synthetic_score(data_source, solution_str, ground_truth)
+
+
+def has_rule(data_source) -> bool:
+    """Whether compute_score can score this data_source. The trainer checks every source of its datasets at start-up:
+    a typo would otherwise score each sample 0.0 and train on nothing."""
+    return isinstance(data_source, str) and (data_source in KNOWN_SOURCES or data_source.startswith("aime"))
 
 
 # --------------------------------------------------------------------------- user scorers and batches
@@ -265,15 +275,15 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
             logger.warning("reward function failed on sample %d (data_source=%r): %r", i, data_sources[i], e)
             num_errors += 1
             result = 0.0
-        if isinstance(result, numbers.Real):
+        if isinstance(result, _NUMBER):
             result = {"score": result}
-        if not (isinstance(result, dict) and isinstance(result.get("score"), numbers.Real)):
+        if not (isinstance(result, dict) and isinstance(result.get("score"), _NUMBER)):
             raise TypeError(f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
                             "expected a number or a dict with a numeric 'score'")
         if not math.isfinite(score := float(result["score"])):
             raise ValueError(f"reward function returned score {score} for data_source {data_sources[i]!r}; "
                              "expected a finite number")
         scores.append(score)
-        extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)})
+        extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, _NUMBER)})
     keys = dict.fromkeys(k for row in extra_rows for k in row)  # in order of first appearance
     return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, num_errors

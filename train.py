@@ -61,7 +61,7 @@ from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipe
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
-from rewards import load_reward_fn, score_batch
+from rewards import KNOWN_SOURCES, has_rule, load_reward_fn, score_batch
 from rollout import Generator, SamplingParams, eos_token_ids
 
 # ----------------------------------------------------------------------------- config
@@ -489,16 +489,20 @@ class Trainer:
             a.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.tokenizer = load_tokenizer(a.model_path)
         self.eos_ids = eos_token_ids(a.model_path, self.tokenizer)
+        self.reward_fn = load_reward_fn(cfg.reward.fn or None)
+        ds = (self.tokenizer, d.max_prompt_length, d.truncation, d.filter_overlong_prompts, d.prompt_key, d.cache_dir)
+        self.train_data = PromptDataset(d.train_files, *ds)
+        self.val_data = PromptDataset(d.val_files, *ds) if d.val_files else None
+        for data in filter(None, (self.train_data, self.val_data) if not cfg.reward.fn else ()):
+            if bad := [s for s in data.distinct("data_source") if not has_rule(s)]:  # would score 0.0 every sample
+                raise ValueError(f"{', '.join(data.files)}: no rule-based scorer for data_source {bad[0]!r}; known: "
+                                 f"{', '.join(KNOWN_SOURCES)} (or set reward.fn=path/to/file.py:function)")
         self.actor = self._role(a.model_path, a.optim)
         self.ref = self._role(a.model_path, None) if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
         self.critic = (self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
                        if cfg.algorithm.adv_estimator == "gae" else None)
         self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if (kc := cfg.algorithm.kl_ctrl).type == "fixed"
                         else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
-        self.reward_fn = load_reward_fn(cfg.reward.fn or None)
-        ds = (self.tokenizer, d.max_prompt_length, d.truncation, d.filter_overlong_prompts, d.prompt_key, d.cache_dir)
-        self.train_data = PromptDataset(d.train_files, *ds)
-        self.val_data = PromptDataset(d.val_files, *ds) if d.val_files else None
         self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         offload = [r.optim for r in (self.actor, self.critic) if r is not None] if a.offload_optimizer else []
         self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, offload, seed=cfg.trainer.seed)

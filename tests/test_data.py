@@ -155,6 +155,13 @@ def test_cache_key_follows_contents_and_tokenizer(tmp_path, tok_dir):
     assert c.cache_path != b.cache_path and c[0]["prompt_ids"] == list(tok("hellO", add_special_tokens=False)["input_ids"])
     c2 = pickle.loads(pickle.dumps(c))
     assert c2[0] == c[0] and len(c2) == 1
+    # the template renders the special tokens (Llama's {{ bos_token }}): another bos_token is another prompt
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    d = data.PromptDataset([f], tok, 64)
+    tok.bos_token = "<|im_start|>"
+    e = data.PromptDataset([f], tok, 64)
+    assert e.cache_path != d.cache_path
+    assert e[0]["prompt_ids"] == list(tok("<|im_start|>hellO", add_special_tokens=False)["input_ids"])
 
 
 def test_stale_and_live_locks(tmp_path, tok):

@@ -245,6 +245,14 @@ def _train_main(env, tmp, *extra):
                 "trainer.total_steps=1", *extra])
 
 
+def _misspelt_source(env, tmp):  # the synthetic train split with data_source 'synthetic/cpy'
+    t = pq.read_table(f"{env.synth}/train.parquet")
+    col = t.schema.get_field_index("data_source")
+    bad = os.path.join(tmp, "cpy.parquet")
+    pq.write_table(t.set_column(col, "data_source", pa.array(["synthetic/cpy"] * len(t))), bad)
+    _train_main(env, tmp, f"data.train_files=[{bad}]")
+
+
 def _fresh_over_checkpoints(env, tmp):
     _train_main(env, tmp, "trainer.save_freq=1", "trainer.test_freq=-1")
     _train_main(env, tmp, "trainer.resume=never", "trainer.seed=5")
@@ -506,6 +514,9 @@ CASES = [
     Case("gsm8k-bad-json-line", "GSM8K train.jsonl line 2 is not JSON",
          lambda env, tmp: _gsm8k(tmp, [GSM_OK, "{not json"], [GSM_OK]), ValueError,
          r"train\.jsonl: line 2: not valid JSON", _gsm8k_leftovers),
+    Case("gsm8k-missing-field", "GSM8K train.jsonl line 2 without 'question'",
+         lambda env, tmp: _gsm8k(tmp, [GSM_OK, json.dumps({"answer": "#### 2"})], [GSM_OK]), ValueError,
+         r"train\.jsonl: line 2: expected an object with string 'question' and 'answer'", _gsm8k_leftovers),
     Case("gsm8k-missing-split", "GSM8K src without test.jsonl",
          lambda env, tmp: _gsm8k(tmp, [GSM_OK], None), FileNotFoundError,
          r"test\.jsonl does not exist \(expected GSM8K's test\.jsonl in ", _gsm8k_leftovers),
@@ -537,6 +548,12 @@ CASES = [
          lambda env, tmp: rewards.score_batch(lambda **kw: None, ["synthetic/copy"], ["1"], ["1"], None), TypeError,
          r"reward function returned NoneType for data_source 'synthetic/copy'; expected a number or a dict "
          r"with a numeric 'score'"),
+
+    Case("train-unknown-data-source", "data_source 'synthetic/cpy' and no reward.fn", _misspelt_source, ValueError,
+         r"cpy\.parquet: no rule-based scorer for data_source 'synthetic/cpy'; known: openai/gsm8k, .*"
+         r"\(or set reward\.fn=path/to/file\.py:function\)", _run_leftovers),
+    Case("train-negative-seed", "data.seed=-1", lambda env, tmp: _train_main(env, tmp, "data.seed=-1"), ValueError,
+         r"sampler seed \(data\.seed\) must be >= 0, got -1", _run_leftovers),
 
     # --- checkpoints: train resume, reshard.load_into, the reshard CLI
     Case("resume-not-checkpoint", "trainer.resume=<an HF model dir>",

@@ -4,6 +4,7 @@ import logging
 import os
 import sys
 
+import numpy as np
 import pytest
 
 import rewards as R
@@ -95,6 +96,9 @@ MATH_EQUIV = [
     ("x^23", "x^{23}", False),  # LaTeX reads x^23 as x^{2}3
     ("12", "1,2", False),
     ("2x+1", "2x-1", False),
+    ("3+2\\mathrm{i}", "3+2", False),  # one \mathrm letter is not taken for a unit
+    ("5\\mathrm{cm}", "5", True),
+    ("1.0.1", "1.1", False),
 ]
 
 
@@ -174,6 +178,8 @@ def test_synthetic(source, solution, truth, expected):
 def test_unknown_data_source():
     with pytest.raises(ValueError, match="openai/gsm8k.*synthetic/add"):
         R.compute_score("my/dataset", "x", "y")
+    assert [R.has_rule(s) for s in ("openai/gsm8k", "aime2024", "synthetic/add", "synthetic/cpy", None, 3)] == [
+        True, True, True, False, False, False]
 
 
 # --------------------------------------------------------------------------- user scorers
@@ -235,6 +241,10 @@ def test_score_batch(caplog):
     # numeric extras (bools included) aligned with the batch; strings ("pred") are skipped
     assert extras == {"acc": [None, None, 1.0, 0.0], "len": [None, None, 3.0, None]}
 
+    # numpy's bool is not a numbers.Real: it must count as a number all the same (np.isclose(...) as a score)
+    scores, extras, _ = R.score_batch(lambda **kw: {"score": np.bool_(True), "acc": np.bool_(False), "n": np.int64(3)},
+                                      ["x"], ["a"], ["a"], None)
+    assert scores == [1.0] and extras == {"acc": [0.0], "n": [3.0]}
     with pytest.raises(TypeError, match="weird/source"):
         R.score_batch(lambda **kw: "1.0", ["weird/source"], ["a"], ["a"], [None])
     with pytest.raises(TypeError, match="weird/source"):
