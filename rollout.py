@@ -33,9 +33,11 @@ seeds, so a draw depends on neither the row, the cache size, tp nor (with seeds)
 agree without talking. Each rank reduces its slice of the logits [B, V/tp] to (best z + g, its id, z there,
 logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner and gives the log-prob.
 
-* top-k / top-p: the global top k are among the union of the ranks' local top k, so one all-gather of those candidates
-  lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (like transformers) and take the
-  Gumbel-max of the survivors. top-p alone takes whole slices (for tp > 1 a vocabulary gather): pair it with a top_k.
+* top-k: the global top k are among the union of the ranks' local top k, so one all-gather of those values gives the
+  k-th largest logit, and the same Gumbel-max runs over the logits at or above it (ties with the k-th included).
+* top-p: one all-gather of the ranks' top-k candidates (top_k off: whole slices, for tp > 1 a vocabulary gather: pair
+  it with a top_k) lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (like
+  transformers) and take the Gumbel-max of the survivors.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary: the distribution the
 trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled from (that mismatch is what
@@ -129,14 +131,17 @@ def gumbel(keys: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> to
 # ----------------------------------------------------------------------------- vocab-parallel sampling
 
 
-def _sample_stats(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None):
+def _sample_stats(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None, floor=None):
     """This rank's slice [B, V/tp] -> [B, 4]: the best score z + g (z alone when greedy), its global id,
-    z there, and logsumexp(z); z = logits / T in fp32 (T = 1 when greedy). The reference of the kernel."""
+    z there, and logsumexp(z); z = logits / T in fp32 (T = 1 when greedy). Only logits >= floor [B] (top-k's) are
+    drawn. The reference of the kernel."""
     z = logits.float() / (temperature or 1.0)
     ids = torch.arange(z.shape[-1], device=z.device)
     score = z + gumbel(keys, positions, ids + vocab_start) if temperature > 0 else z
     if limit is not None:  # ids past the tokenizer's vocabulary are never drawn but stay in the softmax
         score = score.masked_fill(ids >= limit, float("-inf"))
+    if floor is not None:
+        score = score.masked_fill(logits < floor[:, None], float("-inf"))
     val, idx = score.max(-1)
     z_idx = z.gather(1, idx[:, None])[:, 0]
     return torch.stack([val, (idx + vocab_start).float(), z_idx, torch.logsumexp(z, -1)], -1)
@@ -165,17 +170,21 @@ if TRITON:
         return tl.where(v < 0.015625, v * (1.0 + v * (0.5 + v * 0.33333334)) * 1.4426950408889634, -lg2)
 
     @triton.jit
-    def _sample_chunk(Z, Keys, Pos, Out, V, stride_z, inv_temperature, vocab_start, limit,
-                      GREEDY: tl.constexpr, CHUNK: tl.constexpr):
+    def _sample_chunk(Z, Keys, Pos, Floor, Out, V, stride_z, inv_temperature, vocab_start, limit,
+                      GREEDY: tl.constexpr, FLOOR: tl.constexpr, CHUNK: tl.constexpr):
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
         and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
         argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log is
         mostly lg2.approx (E / ln 2: the same argmin); tl.log's polynomial and a division by T made it 1.7x slower."""
         b, c = tl.program_id(0), tl.program_id(1)
         i = c * CHUNK + tl.arange(0, CHUNK)
-        z = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf")).to(tl.float32) * inv_temperature
+        x = tl.load(Z + b * stride_z + i, mask=i < V, other=float("-inf"))
+        z = x.to(tl.float32) * inv_temperature
         m = tl.max(z, 0)
         p = tl.exp(z - m)
+        keep = i < limit
+        if FLOOR:  # top-k: the raw logits against the k-th largest, so ties with it stay in
+            keep = keep & (x >= tl.load(Floor + b))
         if GREEDY:
             best, j = tl.max(tl.where(i < limit, z, float("-inf")), 0, return_indices=True)
             at = best
@@ -183,10 +192,14 @@ if TRITON:
             pos = tl.load(Pos + b).to(tl.uint32)
             row = _fmix32_tl(tl.load(Keys + b).to(tl.uint32) ^ _fmix32_tl(pos * 0x9E3779B1 + 0x2545F491))
             e = _neg_log2(_uniform(row, (i + vocab_start).to(tl.uint32)))
-            _, j = tl.min(tl.where(i < limit, e / p, float("inf")), 0, return_indices=True)
-            at = tl.load(Z + b * stride_z + c * CHUNK + j).to(tl.float32) * inv_temperature
+            _, j = tl.min(tl.where(keep, e / p, float("inf")), 0, return_indices=True)
+            x_j = tl.load(Z + b * stride_z + c * CHUNK + j)
+            at = x_j.to(tl.float32) * inv_temperature
             g_j = -tl.log(-tl.log(_uniform(row, (c * CHUNK + j + vocab_start).to(tl.uint32))))  # exact, once
-            best = tl.where(c * CHUNK + j < limit, at + g_j, float("-inf"))
+            ok = c * CHUNK + j < limit
+            if FLOOR:
+                ok = ok & (x_j >= tl.load(Floor + b))
+            best = tl.where(ok, at + g_j, float("-inf"))
         o = Out + (b * tl.num_programs(1) + c) * 5
         tl.store(o, m)
         tl.store(o + 1, tl.sum(p, 0))
@@ -196,14 +209,15 @@ if TRITON:
 
 
 def _sample_stats_gpu(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None,
-                      chunk: int = 4096):
+                      floor=None, chunk: int = 4096):
     """_sample_stats with the vocabulary cut into chunks, one program each (B programs alone would leave
     the GPU idle and serialise the hashing), then the chunks combined like the ranks are."""
     B, V = logits.shape
     out = torch.empty(B, triton.cdiv(V, chunk), 5, dtype=torch.float32, device=logits.device)
-    _sample_chunk[(B, out.shape[1])](logits, keys, positions, out, V, logits.stride(0), 1.0 / (temperature or 1.0),
-                                     vocab_start, V if limit is None else limit, GREEDY=temperature == 0,
-                                     CHUNK=chunk)
+    _sample_chunk[(B, out.shape[1])](logits, keys, positions, logits if floor is None else floor, out, V,
+                                     logits.stride(0), 1.0 / (temperature or 1.0), vocab_start,
+                                     V if limit is None else limit, GREEDY=temperature == 0,
+                                     FLOOR=floor is not None, CHUNK=chunk)
     return fused(_combine_chunks, out)(out, vocab_start)
 
 
@@ -215,11 +229,13 @@ def _combine_chunks(out: torch.Tensor, vocab_start: int) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float, group,
-                  vocab_start: int = 0, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact draw from softmax(logits / T) by Gumbel-max (temperature 0: argmax) over the split vocabulary;
-    returns (tokens [B], their log_softmax(logits / T), T = 1 when greedy)."""
+                  vocab_start: int = 0, limit: int | None = None,
+                  floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact draw from softmax(logits / T) by Gumbel-max (temperature 0: argmax) over the split vocabulary, among
+    the logits >= floor [B] if given (top_k_floor); returns (tokens [B], their log_softmax(logits / T), T = 1 when
+    greedy)."""
     stats = _sample_stats_gpu if TRITON and logits.is_cuda else _sample_stats
-    s = stats(logits, keys, positions, temperature, vocab_start, limit)
+    s = stats(logits, keys, positions, temperature, vocab_start, limit, floor)
     if group is None:
         return s[:, 1].long(), s[:, 2] - s[:, 3]
     g = all_gather_stack(s, group)  # [tp, B, 4]
@@ -228,10 +244,25 @@ def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Ten
     return pick[:, 1].long(), pick[:, 2] - torch.logsumexp(g[..., 3], 0)
 
 
+def top_k_floor(logits: torch.Tensor, top_k: int, group, limit: int | None = None) -> torch.Tensor:
+    """The k-th largest logit [B] of the whole (split) vocabulary, in the logits' dtype: top-k keeps every token at or
+    above it, so the tokens tied with the k-th all stay in, as in transformers (topk's own pick among ties is
+    arbitrary, and per rank under tp). The k largest of the union of the ranks' local k largest are the global ones."""
+    B, V = logits.shape
+    if limit is not None:
+        logits = logits.masked_fill(torch.arange(V, device=logits.device) >= limit, float("-inf"))
+    vals = logits.topk(min(top_k, V), dim=-1).values.float()  # (gloo gathers no bf16; the values are exact in fp32)
+    if group is not None:
+        vals = all_gather_stack(vals, group).transpose(0, 1).reshape(B, -1)
+        vals = vals.topk(min(top_k, vals.shape[-1]), dim=-1).values
+    return vals[:, -1].to(logits.dtype)
+
+
 def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float,
-                       top_k: int, top_p: float | None, group, vocab_start: int = 0, limit: int | None = None):
-    """Draw from softmax(logits / T) restricted to the top-k, then to the nucleus of mass top_p of the
-    top-k-renormalised distribution (top_p None = off); log-probs as in sample_tokens."""
+                       top_k: int, top_p: float, group, vocab_start: int = 0, limit: int | None = None):
+    """Draw from softmax(logits / T) restricted to the top-k (top_k 0: off), then to the nucleus of mass top_p of the
+    top-k-renormalised distribution; log-probs as in sample_tokens. Ties with the k-th largest logit are cut where
+    topk cuts them (top-k alone keeps them all: top_k_floor)."""
     B, V = logits.shape
     z = logits.float() / temperature
     lse = torch.logsumexp(z, -1)
@@ -247,10 +278,8 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
         ci = ci.gather(1, order)
     if top_k > 0:
         cv, ci = cv[:, :top_k], ci[:, :top_k]
-    score = cv + gumbel(keys, positions, ci.long())
-    if top_p is not None:  # keep a token while the mass strictly above it is < top_p (so always the first)
-        q = torch.softmax(cv, -1)
-        score = score.masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
+    q = torch.softmax(cv, -1)  # keep a token while the mass strictly above it is < top_p (so always the first)
+    score = (cv + gumbel(keys, positions, ci.long())).masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
     j = score.argmax(-1, keepdim=True)
     return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
 
@@ -350,10 +379,11 @@ class Generator:
     # --- one decode step over rows 0..B-1 (captured in a CUDA graph on GPU)
     def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         temperature, top_k, top_p = self.mode  # baked into the decode graphs
-        if top_k > 0 or top_p is not None:
+        if top_p is not None:
             return sample_top_k_top_p(logits, keys, positions, temperature, top_k, top_p, self.group,
                                       self.vocab_start, self.limit)
-        return sample_tokens(logits, keys, positions, temperature, self.group, self.vocab_start, self.limit)
+        floor = top_k_floor(logits, top_k, self.group, self.limit) if top_k > 0 else None
+        return sample_tokens(logits, keys, positions, temperature, self.group, self.vocab_start, self.limit, floor)
 
     def _decode_step(self, B: int, L: int) -> None:
         tok, lengths, ngen, done = self.tok[:B], self.lengths[:B], self.ngen[:B], self.done[:B]

@@ -164,6 +164,30 @@ def test_top_k_and_top_p_masks_are_exact(model):
         assert rank.max().item() < 3
 
 
+def test_top_k_keeps_the_tokens_tied_with_the_kth_logit():
+    """top-k keeps every token whose logit is >= the k-th largest, as transformers' TopKLogitsWarper does: with the
+    3rd and 4th largest tied, top_k=3 draws from 4 tokens (torch.topk alone would keep an arbitrary one of the two).
+    The draw among the survivors is the unfiltered Gumbel-max's wherever that falls among them."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+    import rollout
+    B, V = 4000, 12
+    row = torch.tensor([2.0, 0.5, 1.0, 1.0, -1.0, 3.0, 0.0, 1.0, -2.0, 0.25, 0.9, 1.5])  # 1.0 three times: k-th tied
+    logits = row.repeat(B, 1)
+    keys = torch.tensor([rollout.sample_key(3, i, 0) for i in range(B)])
+    pos = torch.full((B,), 7)
+    for k in (3, 4, 5, 6, 1):
+        keep = TopKLogitsWarper(k)(None, row[None].clone())[0].isfinite()
+        floor = rollout.top_k_floor(logits, k, None)
+        tok, lp = rollout.sample_tokens(logits, keys, pos, 1.0, None, floor=floor)
+        assert set(tok.tolist()) == set(keep.nonzero()[:, 0].tolist()), k
+        assert torch.allclose(lp, torch.log_softmax(row, -1)[tok])  # the unfiltered softmax's log-prob
+        free, _ = rollout.sample_tokens(logits, keys, pos, 1.0, None)
+        inside = keep[free]
+        assert torch.equal(tok[inside], free[inside]) and inside.any() and not inside.all()
+    # the vocabulary limit comes first: the k-th largest among the ids < limit
+    assert rollout.top_k_floor(logits, 2, None, limit=5).tolist() == [1.0] * B
+
+
 def test_vocab_size_limits_the_draw_not_the_softmax(model):
     prompt = rand_prompts((5,), seed=7)[0]
     comps = Generator(model, max_rows=512, vocab_size=128).generate(
@@ -329,7 +353,8 @@ def _tp_body(rank, world, path, prompts):
     gen = Generator(model, max_rows=4, sync_every=3, vocab_size=200)
     runs = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)),
             gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4)),
-            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9))]
+            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9)),
+            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=6, top_k=5))]
     return [(tokens(r), [c.logprobs for c in r]) for r in runs]
 
 
@@ -339,7 +364,8 @@ def test_tensor_parallel_generation(ckpt, model):
     gen = Generator(model, max_rows=4, sync_every=3, vocab_size=200)
     single = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)),
               gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4)),
-              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9))]
+              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9)),
+              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=6, top_k=5))]
     for (t0, lp0), (t1, lp1), one in zip(r0, r1, single):
         assert t0 == t1 and lp0 == lp1  # both ranks agree exactly
         # and match one process: the draws do not depend on tp (barring fp32 rounding at a boundary)
@@ -459,20 +485,26 @@ def test_decode_attention_kernel_addresses_rows_past_2_31_elements():
 
 
 @cuda
-@pytest.mark.parametrize("temperature,vocab_start,limit", [(0.0, 0, None), (1.0, 0, None), (0.7, 5000, 4000)])
-def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit):
+@pytest.mark.parametrize("temperature,vocab_start,limit,top_k", [(0.0, 0, None, 0), (1.0, 0, None, 0),
+                                                                   (0.7, 5000, 4000, 0), (1.0, 0, None, 40),
+                                                                   (0.7, 5000, 4000, 700)])
+def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit, top_k):
     """On GPU the sampler's per-slice reduction is a Triton kernel over vocabulary chunks, in uint32
-    arithmetic: the same hashes, so the same tokens as the int64 torch reference."""
+    arithmetic: the same hashes, so the same tokens as the int64 torch reference (with a top-k floor too)."""
     import rollout
     if not rollout.TRITON:
         pytest.skip("needs triton")
     torch.manual_seed(0)
-    logits = (torch.randn(64, 5000) * 3).bfloat16().cuda()
+    logits = (torch.randn(64, 5000) * 3).bfloat16().cuda()  # bf16: many ties, some at the k-th largest
     keys = torch.tensor([rollout.sample_key(9, i, 3) for i in range(64)], device="cuda")
     pos = torch.arange(64, device="cuda") + 11
-    want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit)
-    got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, chunk=1024)
+    floor = rollout.top_k_floor(logits, top_k, None, limit) if top_k else None
+    want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit, floor)
+    got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, floor, chunk=1024)
     assert torch.equal(got[:, 1], want[:, 1]) and (got - want).abs().max().item() < 1e-3
+    if floor is not None:  # the floor bit: every token drawn is at or above it, and not all are the argmax
+        picked = logits.gather(1, got[:, 1:2].long() - vocab_start)[:, 0]
+        assert (picked >= floor).all() and (got[:, 1].long() != logits.argmax(-1) + vocab_start).any()
 
 
 @cuda
