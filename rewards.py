@@ -207,8 +207,7 @@ KNOWN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, "math_dapo", "aime*", "synthetic
 def compute_score(data_source: str, solution_str: str, ground_truth: str,
                   extra_info: dict | None = None) -> float | dict:
     """Score one response with the rule chosen by `data_source` (see the module docstring)."""
-    if not has_rule(data_source):
-        raise ValueError(f"no rule-based scorer for data_source {data_source!r}; known: {', '.join(KNOWN_SOURCES)}")
+    check_sources([data_source])
     if data_source == "openai/gsm8k":
         return gsm8k_score(solution_str, ground_truth)
     elif data_source in MATH_SOURCES:
@@ -218,10 +217,12 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str,
     return synthetic_score(data_source, solution_str, ground_truth)
 
 
-def has_rule(data_source) -> bool:
-    """Whether compute_score can score this data_source. The trainer checks every source of its datasets at start-up:
-    a typo would otherwise score each sample 0.0 and train on nothing."""
-    return isinstance(data_source, str) and (data_source in KNOWN_SOURCES or data_source.startswith("aime"))
+def check_sources(sources, where: str = "") -> None:
+    """Raise unless compute_score has a rule for every data_source given. The trainer checks its datasets' sources at
+    start-up: a typo would otherwise score each sample 0.0 and train on nothing."""
+    if bad := [s for s in sources if not (isinstance(s, str) and (s in KNOWN_SOURCES or s.startswith("aime")))]:
+        raise ValueError(f"{where}no rule-based scorer for data_source {bad[0]!r}; known: {', '.join(KNOWN_SOURCES)} "
+                         "(or a scorer of your own: reward.fn=path/to/file.py:function)")
 
 
 # --------------------------------------------------------------------------- user scorers and batches

@@ -39,7 +39,6 @@ import itertools
 import json
 import math
 import os
-import pathlib
 import random
 import shutil
 import signal
@@ -61,7 +60,7 @@ from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipe
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
-from rewards import KNOWN_SOURCES, has_rule, load_reward_fn, score_batch
+from rewards import check_sources, load_reward_fn, score_batch
 from rollout import Generator, SamplingParams, eos_token_ids
 
 # ----------------------------------------------------------------------------- config
@@ -494,9 +493,7 @@ class Trainer:
         self.train_data = PromptDataset(d.train_files, *ds)
         self.val_data = PromptDataset(d.val_files, *ds) if d.val_files else None
         for data in filter(None, (self.train_data, self.val_data) if not cfg.reward.fn else ()):
-            if bad := [s for s in data.distinct("data_source") if not has_rule(s)]:  # would score 0.0 every sample
-                raise ValueError(f"{', '.join(data.files)}: no rule-based scorer for data_source {bad[0]!r}; known: "
-                                 f"{', '.join(KNOWN_SOURCES)} (or set reward.fn=path/to/file.py:function)")
+            check_sources(data.distinct("data_source"), f"{', '.join(data.files)}: ")
         self.actor = self._role(a.model_path, a.optim)
         self.ref = self._role(a.model_path, None) if a.use_kl_loss or cfg.algorithm.use_kl_in_reward else None
         self.critic = (self._role(cfg.critic.model_path or a.model_path, cfg.critic.optim, value_head=True)
@@ -778,7 +775,7 @@ class Trainer:
                 raise ValueError(f"trainer.output_dir {self.out!r} holds checkpoints of another run (steps {saved}); "
                                  f"resume it with trainer.resume=auto, or use a new output_dir")
             return
-        path = os.path.join(root, f"step_{pathlib.Path(latest).read_text().strip()}") if r == "auto" else r
+        path = os.path.join(root, f"step_{read_json(latest)}") if r == "auto" else r  # `latest` holds N
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
         meta = read_json(os.path.join(path, "meta.json"))

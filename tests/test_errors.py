@@ -551,7 +551,7 @@ CASES = [
 
     Case("train-unknown-data-source", "data_source 'synthetic/cpy' and no reward.fn", _misspelt_source, ValueError,
          r"cpy\.parquet: no rule-based scorer for data_source 'synthetic/cpy'; known: openai/gsm8k, .*"
-         r"\(or set reward\.fn=path/to/file\.py:function\)", _run_leftovers),
+         r"\(or a scorer of your own: reward\.fn=path/to/file\.py:function\)", _run_leftovers),
     Case("train-negative-seed", "data.seed=-1", lambda env, tmp: _train_main(env, tmp, "data.seed=-1"), ValueError,
          r"sampler seed \(data\.seed\) must be >= 0, got -1", _run_leftovers),
 

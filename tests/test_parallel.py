@@ -386,6 +386,16 @@ def test_two_gpus_nccl(ckpts):
         check_train_case([r[i] for r in res], reference(ckpts[f], steps), tp, pp, f == "qwen2_tied")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs: tp=4 and pp=4 over NCCL")
+def test_four_gpus_nccl(ckpts):
+    """The four-process layouts (tp=4 over 2 KV heads, pp=4 tied, one KV head at tp2 x pp2) on four GPUs over NCCL."""
+    steps = make_steps(1)
+    cases = [("train", ckpts[f], tp, pp, steps, BUCKET, True, True) for f, tp, pp in TP_CASES_4]
+    res = helpers.run_distributed(_worker, 4, cases, backend="nccl")
+    for i, (f, tp, pp) in enumerate(TP_CASES_4):
+        check_train_case([r[i] for r in res], reference(ckpts[f], steps), tp, pp, f == "qwen2_tied")
+
+
 @pytest.mark.parametrize("tp, world", [(1, 2), (2, 4)])
 def test_buckets_reduced_during_backward(ckpts, tp, world):
     """dp=2 and tp2 x dp2 (the qk-norm grads are TP partial sums: their buckets wait for the TP all-reduce)

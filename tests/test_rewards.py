@@ -178,8 +178,10 @@ def test_synthetic(source, solution, truth, expected):
 def test_unknown_data_source():
     with pytest.raises(ValueError, match="openai/gsm8k.*synthetic/add"):
         R.compute_score("my/dataset", "x", "y")
-    assert [R.has_rule(s) for s in ("openai/gsm8k", "aime2024", "synthetic/add", "synthetic/cpy", None, 3)] == [
-        True, True, True, False, False, False]
+    R.check_sources(["openai/gsm8k", "aime2024", "synthetic/add", "math_dapo"])
+    for bad in ("synthetic/cpy", None, 3):
+        with pytest.raises(ValueError, match=f"in x: no rule-based scorer for data_source {bad!r}; known: openai/gsm8k"):
+            R.check_sources(["openai/gsm8k", bad], "in x: ")
 
 
 # --------------------------------------------------------------------------- user scorers
