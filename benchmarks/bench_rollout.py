@@ -8,8 +8,10 @@ prefill-only run's). `--workload nanovllm` is nano-vllm's benchmark: 256
 sequences, input and output lengths uniform in [100, 1024] (seed 0), EOS ignored.
 
     python benchmarks/bench_rollout.py [--quick] [--skip-hf] [--models 0.5b,1.5b,7b] [--workload fixed|nanovllm]
+                                       [--top-k K] [--top-p P] [--profile]
 """
 import argparse
+import dataclasses
 import gc
 import os
 import random
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import KVCache, ModelConfig, Transformer  # noqa: E402
-from rollout import Generator, SamplingParams, sample_tokens  # noqa: E402
+from rollout import Generator, SamplingParams  # noqa: E402
 
 HBM = 4.8e12
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
@@ -87,7 +89,7 @@ def profile(gen: Generator, model: Transformer, B: int, L: int, vocab: int) -> s
     step = ms(lambda: gen._step(B, L))
     logits = (torch.randn(B, model.lm_head.weight.shape[0], device="cuda") * 3).bfloat16()
     keys, pos = torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
-    samp = ms(lambda: sample_tokens(logits, keys, pos, 1.0, None))
+    samp = ms(lambda: gen._sample(logits, keys, pos))  # the run's sampling settings
     from torch.profiler import ProfilerActivity, profile as torch_profile
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with torch.no_grad(), torch_profile(activities=acts, record_shapes=True) as prof:  # 10 eager decode steps
@@ -125,13 +127,14 @@ def run(name: str, args) -> list[str]:
         ins, outs = [256] * B, [new] * B
     base = torch.cuda.memory_allocated()
     gen = Generator(model, max_rows=B, max_len=max(i + o for i, o in zip(ins, outs)))
-    params = SamplingParams(temperature=1.0, max_new_tokens=max(outs), ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p, max_new_tokens=max(outs),
+                            ignore_eos=True)
     # warm-up: CUDA graphs, cuBLAS and Triton kernels of every batch bucket the timed run will use (nano-vllm
     # captures its graphs at start-up too); the mixed workload's tail visits several buckets, so run it whole
     if args.workload == "nanovllm":
         gen.generate(prompts, params, max_new_tokens=outs)
     else:
-        gen.generate(prompts[:B], SamplingParams(temperature=1.0, max_new_tokens=8))
+        gen.generate(prompts[:B], dataclasses.replace(params, max_new_tokens=8))
     # best of 3: one prefill-only call now and then ran 25% slow (BENCHMARKS.md, fourteenth session), and the
     # decode-only figure is the whole run less this
     t_prefill = min(sync_time(lambda: gen.generate(prompts, params, max_new_tokens=[1] * len(prompts)))[1]
@@ -168,8 +171,11 @@ def main():
     ap.add_argument("--models", default="0.5b,1.5b,7b")
     ap.add_argument("--workload", choices=["fixed", "nanovllm"], default="fixed")
     ap.add_argument("--profile", action="store_true", help="also time one decode step and the sampler")
+    ap.add_argument("--top-k", type=int, default=-1, help="sample from the top k (default: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of mass p (default: off)")
     args = ap.parse_args()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  workload {args.workload}")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  workload {args.workload}  "
+          f"top_k {args.top_k} top_p {args.top_p}")
     rows = [r for name in args.models.split(",") for r in run(name, args)]
     print("\n".join(["", "summary"] + rows))
 
