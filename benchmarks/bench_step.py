@@ -121,7 +121,7 @@ def main() -> None:
         train.timed = contextlib.contextmanager(timed_with_range)
     rank = int(os.environ.get("RANK", 0))
     data_dir = os.path.join(args.out, f"rank{rank}")  # one copy per rank: no start-up ordering to get wrong
-    prepare_synthetic(data_dir, task="copy", n_train=64, n_test=8, seed=0)
+    prepare_synthetic(data_dir, task="copy", n_train=max(64, args.prompts), n_test=8, seed=0)
     model_dir = os.path.join(data_dir, "model")
     shape = dict(SHAPES[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))
     with open(os.path.join(model_dir, "config.json"), "w") as f:
