@@ -1,0 +1,55 @@
+"""A model directory for running the real configs without downloading a model: Qwen2.5-7B's config.json (or a tiny
+one, for a CPU check) and a byte-level BPE tokenizer trained on GSM8K's questions and answers, with Qwen's chat
+specials and template. The weights come from `actor.random_init=true`; ids past the tokenizer's 32k are never
+sampled (the generator's vocabulary limit), so the 7B shape's 152,064-row head and embedding are kept.
+
+    python benchmarks/make_random_model.py --src ../shared/data/gsm8k --out models/random-7b
+    python data.py gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+    torchrun --nproc_per_node=8 train.py configs/7b.yaml actor.model_path=models/random-7b actor.random_init=true
+"""
+import argparse
+import json
+import os
+import sys
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import CHAT_TEMPLATE, SPECIALS  # noqa: E402
+
+QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=True, torch_dtype="bfloat16",
+                 vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=32000)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--src", default="../shared/data/gsm8k", help="GSM8K's train.jsonl is the tokenizer's corpus")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family (CPU checks)")
+    a = ap.parse_args()
+    if os.path.exists(a.out):
+        sys.exit(f"--out {a.out!r} already exists; choose a new directory")
+    with open(os.path.join(a.src, "train.jsonl")) as f:
+        texts = [t for line in f for t in json.loads(line).values()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=32000, special_tokens=SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    t.chat_template = CHAT_TEMPLATE
+    tmp = a.out + ".tmp"  # nothing half-written under --out
+    t.save_pretrained(tmp)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(dict(QWEN25_7B, **(TINY if a.tiny else {}), eos_token_id=t.eos_token_id), f, indent=1)
+    os.rename(tmp, a.out)
+    print(f"wrote {a.out}: {len(t)} tokenizer entries, EOS {t.eos_token}={t.eos_token_id}")
+
+
+if __name__ == "__main__":
+    main()
