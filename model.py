@@ -52,6 +52,10 @@ SUPPORTED = tuple(MODEL_TYPES.values())
 HF_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' defaults for keys missing from config.json, where its config classes differ
+ARCH_DEFAULTS = {"LlamaForCausalLM": {}, "MistralForCausalLM": dict(num_key_value_heads=8, sliding_window=4096),
+                 "Qwen2ForCausalLM": dict(num_key_value_heads=32, sliding_window=4096),
+                 "Qwen3ForCausalLM": dict(num_key_value_heads=32, head_dim=128, sliding_window=4096)}
 
 
 def read_json(path: str):
@@ -109,34 +113,36 @@ class ModelConfig:
                 raise ValueError(f"{source}: no architectures and model_type {c.get('model_type')!r} is not "
                                  f"supported; supported: {sorted(MODEL_TYPES)}")
             c = {**c, "architectures": [MODEL_TYPES[c["model_type"]]]}
-        if (arch := c["architectures"][0]) not in SUPPORTED:
+        # transformers' AutoModelForCausalLM builds the model_type's class, whatever architectures names
+        if (arch := MODEL_TYPES.get(c.get("model_type"), c["architectures"][0])) not in SUPPORTED:
             raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}")
         if missing := [k for k in REQUIRED_KEYS if k not in c]:
             raise ValueError(f"{source}: missing required key(s) {missing}")
+        c = {**ARCH_DEFAULTS[arch], **c}
         if c.get("quantization_config"):
             raise ValueError(f"{source}: quantized checkpoints ({c['quantization_config'].get('quant_method')}) are "
                              "not supported; use the bf16/fp16/fp32 weights")
         if (act := c.get("hidden_act", "silu")) not in ("silu", "swish"):
             raise ValueError(f"{source}: hidden_act={act!r} is not supported; the MLP is SwiGLU (silu)")
         # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling, and a
-        # rope_scaling present overrides rope_parameters there too
-        params = c.get("rope_parameters") or {}
-        rope = dict(c.get("rope_scaling") or params)
-        theta = rope.pop("rope_theta", params.get("rope_theta", c.get("rope_theta", 10000.0)))
+        # rope_scaling present replaces rope_parameters there too (its theta included: then the top-level one or 1e4)
+        rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         if (rtype := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "llama3"):
             raise ValueError(f"{source}: rope type {rtype!r} is not supported; supported: default, llama3")
         if rtype == "llama3" and (missing := [k for k in LLAMA3_ROPE_KEYS if k not in rope]):
             raise ValueError(f"{source}: llama3 rope scaling lacks {missing} (needs {list(LLAMA3_ROPE_KEYS)})")
-        # Llama, Mistral and Qwen3 put attention_bias on o_proj as well, and mlp_bias on the MLP: neither is built here
-        if c.get("mlp_bias") or (c.get("attention_bias") and arch != "Qwen2ForCausalLM"):
-            raise ValueError(f"{source}: {'mlp_bias' if c.get('mlp_bias') else 'attention_bias'}=true is not "
-                             f"supported for {arch} (only Qwen2's q/k/v biases are)")
+        # Llama and Qwen3 put attention_bias on o_proj as well, Llama mlp_bias on the MLP: neither is built here (the
+        # other architectures ignore these keys, as transformers does)
+        for key, archs in (("attention_bias", ("Llama", "Qwen3")), ("mlp_bias", ("Llama",))):
+            if c.get(key) and arch[:-len("ForCausalLM")] in archs:
+                raise ValueError(f"{source}: {key}=true is not supported for {arch} (only Qwen2's q/k/v biases are)")
         heads = c["num_attention_heads"]
         # Mistral always slides (4096 unless set, null: never); Qwen2/3 only with use_sliding_window, and then only
         # the layers from max_window_layers on (or as layer_types says): none of them, no window
         slides = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else
                                           "full_attention" for i in range(c["num_hidden_layers"])]
-        sw = c.get("sliding_window", 4096) if arch == "MistralForCausalLM" else (
+        sw = c.get("sliding_window") if arch == "MistralForCausalLM" else (
             c.get("sliding_window") if c.get("use_sliding_window") and "sliding_attention" in slides else None)
         return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                    intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],

@@ -64,13 +64,13 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
         windows.append(ModelConfig.from_hf(c).sliding_window)
         assert windows[-1] == (hf.sliding_window if "sliding_attention" in hf.layer_types else None), extra
     assert windows == [None, None, 16, None, 16]
-    # rope_scaling, when present, overrides rope_parameters (transformers 5), and its theta falls back to theirs
+    # rope_scaling, when present, replaces rope_parameters (transformers 5), its theta too (no top-level one: 1e4)
     both = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
     assert ModelConfig.from_hf(both).rope_theta == 5e5
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}
     got = ModelConfig.from_hf({**both, "rope_scaling": llama3})
-    assert got.rope_scaling == llama3 and got.rope_theta == 5e5
+    assert got.rope_scaling == llama3 and got.rope_theta == 1e4
 
 
 def test_packed_equals_alone_and_left_padded(ckpt):
@@ -170,7 +170,7 @@ def test_errors_name_the_problem(tmp_path):
     cfg = json.load(open(os.path.join(path, "config.json")))
     bad = tmp_path / "arch"
     bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported"):
         load_model(str(bad))
     wrong = tmp_path / "shape"
@@ -284,6 +284,28 @@ def test_missing_optional_keys_take_transformers_defaults(tmp_path):
     c = rewrite_config(path, lambda c: [c.pop(k, None) for k in keys])
     assert not set(keys) & set(c)
     assert logits_match_transformers(path) <= 1e-5
+
+
+def test_defaults_and_rope_overrides_read_as_transformers_reads_them(tmp_path):
+    """Where transformers' config classes differ: a missing num_key_value_heads is 8 for Mistral (32 for Qwen2/3), a
+    missing head_dim 128 for Qwen3, a missing sliding_window 4096; rope_scaling replaces rope_parameters, theta
+    included; Mistral ignores attention_bias and mlp_bias, Qwen3 mlp_bias; model_type, not architectures, decides."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for i, (family, kw, edit) in enumerate((
+            ("mistral", dict(num_attention_heads=16, num_key_value_heads=8), lambda c: c.pop("num_key_value_heads")),
+            ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128), lambda c: c.pop("head_dim")),
+            ("llama", {}, lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                             rope_scaling={**llama3, "original_max_position_embeddings": 32})),
+            ("mistral", {}, lambda c: c.update(attention_bias=True, mlp_bias=True)),
+            ("qwen3", {}, lambda c: c.update(mlp_bias=True)),
+            ("qwen2", {}, lambda c: c.update(architectures=["LlamaForCausalLM"])))):
+        path = helpers.make_checkpoint(str(tmp_path / str(i)), family, with_tokenizer=False, **kw)
+        c = rewrite_config(path, edit)
+        assert logits_match_transformers(path) <= 1e-5, (i, family)
+    from transformers import Qwen3Config
+    c = {k: v for k, v in c.items() if k not in ("sliding_window", "layer_types")}
+    c.update(use_sliding_window=True, max_window_layers=2)
+    assert ModelConfig.from_hf(c).sliding_window == Qwen3Config.from_dict(c).sliding_window == 4096
 
 
 def test_qwen2_accepts_attention_bias_true(tmp_path):
