@@ -78,8 +78,9 @@ class SamplingParams:
         stops = self.stop_token_ids
         for k, want, ok in (
                 ("n", "an int >= 1", isinstance(self.n, int) and self.n >= 1),
-                ("temperature", ">= 0 (0 = greedy)", self.temperature >= 0),
-                ("top_p", "in (0, 1]", 0 < self.top_p <= 1),
+                ("temperature", "a number >= 0 (0 = greedy)",
+                 isinstance(self.temperature, (int, float)) and self.temperature >= 0),
+                ("top_p", "a number in (0, 1]", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1),
                 ("top_k", "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
                 ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
                 ("stop_token_ids", "a list or tuple of ints (one id: (id,))",
@@ -445,20 +446,21 @@ class Generator:
         params.check()
         if not prompts:
             return []
-        max_new = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
-        if len(max_new) != len(prompts) or not all(isinstance(m, int) and m >= 1 for m in max_new):
+        max_new = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new, (list, tuple)) or len(max_new) != len(prompts) or not all(
+                isinstance(m, int) and m >= 1 for m in max_new):
             raise ValueError(f"max_new_tokens: expected {len(prompts)} ints >= 1 (one per prompt), "
                              f"got {max_new_tokens!r}")
-        if seeds is not None and (len(seeds) != len(prompts) or not all(isinstance(x, int) for x in seeds)):
+        if seeds is not None and (not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts)
+                                  or not all(isinstance(x, int) for x in seeds)):
             raise ValueError(f"seeds: expected {len(prompts)} ints (one per prompt), got {seeds!r}")
         streams = [(params.seed, p) for p in range(len(prompts))] if seeds is None else [(x, -1) for x in seeds]
         V = self.model.cfg.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} has token id {min(p) if min(p) < 0 else max(p)} outside the "
-                                 f"model's vocabulary 0..{V - 1}")
+            if bad := [t for t in p if not (isinstance(t, int) and 0 <= t < V)]:  # (a float id was truncated)
+                raise ValueError(f"prompt {i}: token id {bad[0]!r} is not an int in the model's vocabulary 0..{V - 1}")
             if self.fixed_len is not None and len(p) + max_new[i] > self.fixed_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it needs "
                                  f"{len(p) + max_new[i]} cache positions but the Generator's max_len={self.fixed_len}")

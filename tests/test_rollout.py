@@ -283,7 +283,7 @@ def test_errors_name_the_problem(model):
         gen.generate([[1, 2], list(range(12))], SamplingParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         gen.generate([[]], SamplingParams(max_new_tokens=2))
-    with pytest.raises(ValueError, match="token id 999 outside"):
+    with pytest.raises(ValueError, match="prompt 0: token id 999 is not an int in the model's vocabulary 0..271"):
         gen.generate([[1, 999]], SamplingParams(max_new_tokens=2))
     for bad, key in ((dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"), (dict(n=0), "n="),
                      (dict(top_k=-3), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
@@ -661,3 +661,26 @@ def test_eos_token_ids_read_config_json(tmp_path):
     (tmp_path / "config.json").write_text('{"eos_token_id": 5}')
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 9}')
     assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=2)) == [2, 5, 9]
+
+
+def test_bad_input_types_get_errors_naming_the_key(model):
+    """A prompt token that is not an int is refused (a float id was silently truncated: [1.5, 2] generated from
+    [1, 2]); a string temperature / top_p (YAML reads `1e-3` as one), an int for the per-prompt `max_new_tokens` or
+    `seeds` lists: ValueErrors naming the key, not a TypeError from a comparison or len()."""
+    gen = Generator(model, max_rows=2)
+    greedy = SamplingParams(temperature=0, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 1: token id 1.5 is not an int in the model's vocabulary 0..271"):
+        gen.generate([[3], [1.5, 2]], greedy)
+    with pytest.raises(ValueError, match=r"prompt 0: token id 'h' is not an int"):
+        gen.generate(["hi"], greedy)
+    for bad, msg in ((dict(temperature="1e-3"), r"temperature='1e-3': expected a number >= 0"),
+                     (dict(temperature=None), "temperature=None: expected a number"),
+                     (dict(top_p="0.9"), r"top_p='0.9': expected a number in \(0, 1\]")):
+        with pytest.raises(ValueError, match=f"SamplingParams.{msg}"):
+            gen.generate([[1]], SamplingParams(**{"max_new_tokens": 2, **bad}))
+    with pytest.raises(ValueError, match="max_new_tokens: expected 2 ints >= 1 .one per prompt., got 5"):
+        gen.generate([[1], [2]], greedy, max_new_tokens=5)
+    with pytest.raises(ValueError, match="seeds: expected 2 ints .one per prompt., got 7"):
+        gen.generate([[1], [2]], greedy, seeds=7)
+    assert gen.generate([[1], [2]], greedy, max_new_tokens=(1, 2), seeds=(3, 4))[1].token_ids == \
+        gen.generate([[2]], greedy)[0].token_ids  # tuples are fine
