@@ -503,7 +503,7 @@ class Trainer:
         self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         offload = [r.optim for r in (self.actor, self.critic) if r is not None] if a.offload_optimizer else []
         self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, offload, seed=cfg.trainer.seed)
-        self.step, self.nonfinite_skips = 0, 0
+        self.step, self.nonfinite_skips, self.saved_row = 0, 0, None
 
     def _role(self, path: str, o: OptimConfig | None, value_head: bool = False) -> Role:
         m = load_model(path, self.layout, self.dtype, self.device, random_init=self.cfg.actor.random_init,
@@ -720,7 +720,7 @@ class Trainer:
         return {f"val-core/{src}/reward/mean@{cfg.rollout.val_n}": float(np.mean(v)) for src, v in by_src.items()}
 
     # --- checkpoints
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, metrics: dict | None = None) -> None:
         """Every rank writes its shards into step_N.tmp; rank 0 makes them durable, renames the directory to
         step_N and only then writes `latest`, so a crash at any point leaves `latest` naming a complete one."""
         root, lay = os.path.join(self.out, "checkpoints"), self.layout
@@ -738,7 +738,7 @@ class Trainer:
             role.optim.zero_grad()  # full_state staged its tensors in the grad buffer
         state = {"step": self.step, "optim_steps": [r.optim.step_count for r, _ in self._role_dirs(tmp)],
                  "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "nonfinite_skips": self.nonfinite_skips,
+                 "nonfinite_skips": self.nonfinite_skips, "metrics": metrics and {"step": self.step, **metrics},
                  "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                          **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}}
         torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
@@ -747,9 +747,8 @@ class Trainer:
             for role, d in self._role_dirs(tmp):
                 meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": role.model.cfg.raw}
                 write_text(os.path.join(d, "meta.json"), json.dumps(meta, indent=1))
-            for f in os.listdir(self.cfg.actor.model_path):
-                if f.startswith(TOKENIZER_FILES):
-                    shutil.copy(os.path.join(self.cfg.actor.model_path, f), tmp)
+            for f in filter(lambda f: f.startswith(TOKENIZER_FILES), os.listdir(src := self.cfg.actor.model_path)):
+                shutil.copy(os.path.join(src, f), tmp)
             for d, _, files in os.walk(tmp, topdown=False):
                 for f in [*(os.path.join(d, f) for f in files), d]:
                     fsync(f)  # every rank's shards reach the disk before the rename publishes them
@@ -795,9 +794,8 @@ class Trainer:
         for (role, _), n in zip(self._role_dirs(path), st["optim_steps"]):
             role.optim.step_count = n
         if same:  # per-rank streams; another layout restarts them (the sampling noise is counter-based)
-            random.setstate(st["rng"]["python"])
-            np.random.set_state(st["rng"]["numpy"])
-            torch.set_rng_state(st["rng"]["torch"])
+            for k, fn in (("python", random.setstate), ("numpy", np.random.set_state), ("torch", torch.set_rng_state)):
+                fn(st["rng"][k])
             if "cuda" in st["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state(st["rng"]["cuda"])
         else:
@@ -805,7 +803,7 @@ class Trainer:
                   f"tp={lay.tp} pp={lay.pp} dp={lay.dp}", flush=True)
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
-        self.nonfinite_skips, self.step = st.get("nonfinite_skips", 0), st["step"]
+        self.nonfinite_skips, self.step, self.saved_row = st.get("nonfinite_skips", 0), st["step"], st.get("metrics")
 
     # --- the loop
     def fit(self) -> None:
@@ -815,7 +813,7 @@ class Trainer:
             os.makedirs(self.out, exist_ok=True)
             write_text(os.path.join(self.out, "config.yaml"),
                        yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
-        logger, stop = Logger(self.cfg, self.rank, fresh=self.step == 0), {"sigterm": False}
+        logger, stop = Logger(self.cfg, self.rank, self.step, self.saved_row), {"sigterm": False}
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
         try:
             if self.val_data is not None and tc.val_before_train and self.step == 0:
@@ -832,7 +830,7 @@ class Trainer:
                 sigterm = bool(world_all_reduce(torch.tensor([float(stop["sigterm"])], device=self.device)).item())
                 if sigterm or (tc.save_freq > 0 and (self.step % tc.save_freq == 0 or last)):
                     with timed(metrics, "save_checkpoint"):
-                        self.save_checkpoint()
+                        self.save_checkpoint(metrics)
                 extra = sum(metrics.get(f"timing_s/{k}", 0.0) for k in ("testing", "save_checkpoint"))  # in verl's step
                 metrics["perf/throughput"] *= metrics["timing_s/step"] / (metrics["timing_s/step"] + extra)
                 metrics["timing_s/step"] += extra
@@ -858,14 +856,16 @@ class Logger:
     CONSOLE = {"critic/score/mean": "score", "actor/pg_loss": "pg_loss", "actor/entropy": "entropy",
                "actor/ppo_kl": "ppo_kl", "response_length/mean": "response_length", "timing_s/step": "step"}
 
-    def __init__(self, cfg: Config, rank: int, fresh: bool):
+    def __init__(self, cfg: Config, rank: int, step: int = 0, saved: dict | None = None):
         out, kinds = cfg.trainer.output_dir, cfg.trainer.logger if rank == 0 else []
-        self.console = "console" in kinds
-        # a resumed run appends (the steps it redoes appear twice); a fresh one starts the file anew
-        self.jsonl = open(os.path.join(out, "metrics.jsonl"), "w" if fresh else "a") if "jsonl" in kinds else None
-        if "tensorboard" in kinds:  # (load_config checked that it is installed)
-            from torch.utils.tensorboard import SummaryWriter
-        self.tb = SummaryWriter(os.path.join(out, "tensorboard")) if "tensorboard" in kinds else None
+        self.console, path = "console" in kinds, os.path.join(out, "metrics.jsonl")
+        if "jsonl" in kinds:  # after `step` (0: fresh) the lines go (redone); its own, if a crash lost it, is `saved`
+            old = [json.loads(s) for s in open(path) if s.endswith("\n")] if step and os.path.isfile(path) else []
+            rows = [r for r in old if r["step"] < step] + [next((r for r in old if r["step"] == step), old and saved)]
+            write_text(path, "".join(json.dumps(r, default=float) + "\n" for r in rows if r))
+        self.jsonl = open(path, "a") if "jsonl" in kinds else None
+        tb = "tensorboard" in kinds and importlib.import_module("torch.utils.tensorboard")  # (load_config checked it)
+        self.tb = tb.SummaryWriter(os.path.join(out, "tensorboard")) if tb else None
 
     def log(self, step: int, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}

@@ -154,7 +154,7 @@ def test_step_time_and_throughput_include_validation_and_checkpointing(synth, tm
     """As verl's: timing_s/step covers the step's validation and checkpoint save (each made to take > 2.5 s here,
     longer than the rest of a step), and perf/throughput is the step's tokens over that time (one process)."""
     for name in ("validate", "save_checkpoint"):
-        slow = lambda self, f=getattr(train.Trainer, name): time.sleep(2.5) or f(self)  # noqa: E731
+        slow = lambda self, *a, f=getattr(train.Trainer, name): time.sleep(2.5) or f(self, *a)  # noqa: E731
         monkeypatch.setattr(train.Trainer, name, slow)
     plain, last = run(synth, str(tmp_path), "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=2")
     assert "timing_s/testing" not in plain and "timing_s/save_checkpoint" not in plain
@@ -297,9 +297,25 @@ def test_sigkill_while_saving_keeps_the_last_checkpoint(small_synth, tmp_path):
     left = sorted(os.listdir(ckpts))
     assert left == ["latest", "step_2", "step_4.tmp"], (left, proc.stdout[-1500:])
     rows = run(small_synth, out, *common)
-    # the killed run logged 3 (4 died in its save, which comes before its metrics line); the resumed one redid them
-    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]
+    # the killed run logged 3 (4 died in its save); the resumed one redid 3 and replaced its line: one line a step
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_4"]
+
+
+def test_sigkill_between_a_save_and_its_metrics_line_loses_no_line(small_synth, tmp_path):
+    """Killed after step 2's checkpoint was published but before its metrics line: the resumed run (from step 2)
+    writes step 2's line from the checkpoint, and every step has exactly one line."""
+    out, script = str(tmp_path), tmp_path / "kill.py"
+    common = ["trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.resume=auto"]
+    script.write_text(KILL_DURING_SAVE.replace("train.torch.save = dying_save", "train.Logger.log = lambda s, step, m: "
+                                               "dying_save(None, None) if step == 2 else log(s, step, m)")
+                      .replace("real = torch.save", "real, log = lambda *a: None, train.Logger.log").format(root=ROOT))
+    proc = subprocess.run([sys.executable, str(script), CONFIG, *overrides(small_synth, out, *common)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "2"
+    rows = run(small_synth, out, *common)
+    assert [r["step"] for r in rows] == [1, 2, 3] and "actor/pg_loss" in rows[1]
 
 
 def test_pruning_keeps_the_checkpoint_just_saved_beside_an_unpublished_later_one(small_synth, tmp_path):
