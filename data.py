@@ -26,6 +26,7 @@ each response token lands in the [rows, R] tensors (`scatter_rows` puts per-toke
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import heapq
 import itertools
@@ -104,6 +105,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(str(getattr(tokenizer, "split_special_tokens", False)).encode())  # the wrapper's, not in to_str()
     return h.hexdigest()
 
 
@@ -233,6 +235,11 @@ class PromptDataset:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template")
         texts = self.tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
         backend, all_ids = getattr(self.tokenizer, "backend_tokenizer", None), []
+        if backend is not None:  # a copy set up as the wrapper's own call would (tokenizer.json may set truncation)
+            backend = copy.deepcopy(backend)
+            backend.no_truncation()
+            backend.no_padding()
+            backend.encode_special_tokens = getattr(self.tokenizer, "split_special_tokens", False)
         # the Rust tokenizer without transformers' wrapper: same ids, 2x faster; Encodings are large: keep ids only
         for chunk in (texts[i:i + 4096] for i in range(0, len(texts), 4096)):
             all_ids += ([e.ids for e in backend.encode_batch_fast(chunk, add_special_tokens=False)]
@@ -468,6 +475,8 @@ def prepare_gsm8k(src: str, out: str) -> None:
                              "reward_model": {"style": "rule", "ground_truth": truth},
                              "extra_info": {"split": split, "index": len(rows), "question": ex["question"],
                                             "answer": ex["answer"]}})
+        if not rows:
+            raise ValueError(f"{path} holds no examples")
     os.makedirs(out, exist_ok=True)
     for split, rows in splits.items():
         path = os.path.join(out, f"{split}.parquet")

@@ -578,3 +578,39 @@ def test_synthetic_splits_are_independent_streams(tmp_path):
     assert len(a_train) == 50 and len(a_test) == 20 and a_test != a_train[:20]
     assert prompts("b", "test") == a_test and prompts("b", "train")[:50] == a_train
     assert prompts("c", "test") != a_test and prompts("c", "train") != a_train
+
+
+def test_truncation_and_padding_saved_in_tokenizer_json_do_not_touch_the_ids(tmp_path, tok):
+    """A tokenizer.json may carry truncation/padding settings (the backend keeps them after loading); the wrapper
+    turns them off for a plain call, as verl's tokenizer(text, add_special_tokens=False) makes, so must the cache."""
+    t = make_tokenizer()
+    t.backend_tokenizer.enable_truncation(max_length=12)
+    t.backend_tokenizer.enable_padding(pad_id=256, pad_token="<|endoftext|>")
+    t.save_pretrained(str(tmp_path / "tok"))
+    saved = data.load_tokenizer(str(tmp_path / "tok"))
+    f = write_rows(tmp_path / "d.parquet", [row("hi"), row("a much longer question")])
+    ds = data.PromptDataset([f], saved, 256)
+    for i, content in enumerate(["hi", "a much longer question"]):
+        assert ds[i]["prompt_ids"] == reference_ids(tok, content)
+
+
+def test_split_special_tokens_is_part_of_the_cache_key(tmp_path, tok_dir):
+    """split_special_tokens (a wrapper setting, not in tokenizer.json) changes the ids: no stale cache across it."""
+    from transformers import AutoTokenizer
+    f = write_rows(tmp_path / "d.parquet", [row("hi")])
+    plain = data.PromptDataset([f], AutoTokenizer.from_pretrained(tok_dir), 256)
+    split_tok = AutoTokenizer.from_pretrained(tok_dir, split_special_tokens=True)
+    split = data.PromptDataset([f], split_tok, 256)
+    text = split_tok.apply_chat_template(row("hi")["prompt"], add_generation_prompt=True, tokenize=False)
+    assert split.cache_path != plain.cache_path
+    assert split[0]["prompt_ids"] == split_tok(text, add_special_tokens=False)["input_ids"] != plain[0]["prompt_ids"]
+
+
+def test_prepare_gsm8k_refuses_an_empty_split(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_text(json.dumps({"question": "q?", "answer": "a\n#### 1"}) + "\n")
+    (src / "test.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"test\.jsonl holds no examples"):
+        data.prepare_gsm8k(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
