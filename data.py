@@ -512,6 +512,8 @@ def prepare_synthetic(out: str, task: str = "copy", n_train: int = 2000, n_test:
     """A task a tiny random model learns by RL alone: parquet files plus a model dir (tokenizer, config)."""
     if task not in ("copy", "add"):
         raise ValueError(f"task={task!r}; expected 'copy' or 'add'")
+    if n_train < 1 or n_test < 1:  # an empty split would be a parquet file without columns
+        raise ValueError(f"n_train={n_train} and n_test={n_test} (--n-train, --n-test): each must be >= 1")
     model_dir = os.path.join(out, "model")
     os.makedirs(model_dir, exist_ok=True)
     for split, n, s in zip(("train", "test"), (n_train, n_test), np.random.SeedSequence(seed).spawn(2)):

@@ -619,10 +619,10 @@ def main(argv: list[str] | None = None) -> None:
         params.check()
     except ValueError as e:
         ap.error(str(e).replace("SamplingParams.", "--").replace("_", "-"))
-    from transformers import AutoTokenizer
+    from data import load_tokenizer  # (a missing directory or tokenizer gets an error naming it)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    tok, texts = AutoTokenizer.from_pretrained(args.model_dir), args.prompt
+    tok, texts = load_tokenizer(args.model_dir), args.prompt
     if args.chat:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                  for t in texts]

@@ -236,9 +236,10 @@ class Config:
 
 SCHEDULES = ("constant", "cosine", "linear")
 LOGGERS = ("console", "jsonl", "tensorboard")
-POSITIVE = ("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
-            "actor.ppo_mini_batch_size", "actor.ppo_epochs", "actor.max_tokens_per_micro_batch", "rollout.n",
-            "rollout.val_n", "rollout.max_rows")
+MINIMUM = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length",
+                            "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
+                            "actor.max_tokens_per_micro_batch", "rollout.n", "rollout.val_n", "rollout.max_rows"), 1),
+           "rollout.top_k": -1, "rollout.val_temperature": 0, "actor.optim.lr": 0, "critic.optim.lr": 0}
 CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32"),
            "actor.loss_agg_mode": alg.LOSS_AGG_MODES, "critic.loss_agg_mode": alg.LOSS_AGG_MODES,
            "actor.policy_loss_mode": alg.POLICY_LOSS_MODES, "actor.kl_loss_type": alg.KL_PENALTIES,
@@ -268,8 +269,7 @@ def _build(base, d: dict, prefix: str, source):
         if isinstance(default, float) and isinstance(val, (int, str)) and not isinstance(val, bool):
             with contextlib.suppress(ValueError):  # YAML reads 1e-6 (no dot) as a string
                 val = float(val)
-        if isinstance(default, list) and isinstance(val, str):
-            val = [val]
+        val = [val] if isinstance(default, list) and isinstance(val, str) else val
         if not isinstance(val, type(default)) or isinstance(val, bool) != isinstance(default, bool):
             want = "true or false" if isinstance(default, bool) else type(default).__name__
             raise TypeError(f"{source(path)}: {path} must be {want}, got {val!r}")
@@ -307,9 +307,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
         if not val:
             raise ValueError(f"{src(key)}: {key} is required")
-    for key in POSITIVE:
-        if (val := functools.reduce(getattr, key.split("."), cfg)) < 1:
-            raise ValueError(f"{src(key)}: {key}={val} must be >= 1")
+    for key, low in MINIMUM.items():  # (rollout.top_k: -1 and 0 are off)
+        if (val := functools.reduce(getattr, key.split("."), cfg)) < low:
+            raise ValueError(f"{src(key)}: {key}={val} must be >= {low}")
     for key, o in (("actor.optim.betas", a.optim.betas), ("critic.optim.betas", cfg.critic.optim.betas)):
         if len(o) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o):
             raise ValueError(f"{src(key)}: {key}={o} must be two numbers in [0, 1) (beta1, beta2)")

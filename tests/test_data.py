@@ -567,6 +567,13 @@ def test_a_message_whose_content_is_not_a_string_is_refused(tmp_path, tok):
             data.PromptDataset([f], tok, 256)
 
 
+def test_synthetic_refuses_an_empty_split(tmp_path):
+    for n_train, n_test in ((0, 10), (10, 0), (5, -1)):  # each wrote a parquet file without columns
+        with pytest.raises(ValueError, match=f"n_train={n_train} and n_test={n_test} .* must be >= 1"):
+            data.prepare_synthetic(str(tmp_path / "syn"), n_train=n_train, n_test=n_test)
+        assert not (tmp_path / "syn").exists()
+
+
 def test_synthetic_splits_are_independent_streams(tmp_path):
     """Each split draws from its own child of the seed: the test prompts stay put when n_train changes and are not
     the first train prompts again, the train prompts of a longer split extend the shorter one, another seed differs."""

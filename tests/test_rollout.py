@@ -322,6 +322,16 @@ def test_cli_checks_the_sampling_options_first(capsys):
     assert "--n=0: expected an int >= 1" in capsys.readouterr().err
 
 
+def test_cli_names_a_missing_directory_or_tokenizer(tmp_path):
+    """Not transformers' hub error for a local path, nor "prompt 0 is empty" from the 1-token tokenizer that
+    AutoTokenizer makes up for a directory without tokenizer files."""
+    with pytest.raises(FileNotFoundError, match="tokenizer directory '/nonexistent' does not exist"):
+        rollout.main(["/nonexistent", "--prompt", "hi"])
+    path = helpers.make_checkpoint(str(tmp_path / "m"), "qwen2", with_tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="m' holds no tokenizer files"):
+        rollout.main([path, "--prompt", "hi"])
+
+
 def test_eos_token_ids_join_the_tokenizer_config_and_generation_config(tmp_path):
     (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
     assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=7)) == [7]
