@@ -129,7 +129,9 @@ def main() -> None:
     cfg = train.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"), [
         f"data.train_files=[{data_dir}/train.parquet]", "data.val_files=[]",
         f"data.train_batch_size={args.prompts}", f"data.max_prompt_length={args.prompt_len}",
-        f"data.max_response_length={args.response_len}", f"actor.model_path={model_dir}", "actor.dtype=" + ("bf16" if args.device == "cuda" else "fp32"),
+        f"data.max_response_length={args.response_len}",  # the copy task's prompts only give the dataset its size
+        "data.truncation=left", "data.filter_overlong_prompts=false",  # (get_batch below makes the random ones)
+        f"actor.model_path={model_dir}", "actor.dtype=" + ("bf16" if args.device == "cuda" else "fp32"),
         "actor.optim.lr=1e-6", f"actor.ppo_mini_batch_size={args.mini}", "actor.gradient_checkpointing=true",
         f"actor.max_tokens_per_micro_batch={args.micro_tokens}", f"rollout.n={args.samples}",
         f"rollout.max_rows={args.prompts * args.samples}", f"trainer.device={args.device}", f"trainer.total_steps={args.steps}",
