@@ -134,8 +134,9 @@ class ModelConfig:
             raise ValueError(f"{source}: llama3 rope scaling lacks {missing} (needs {list(LLAMA3_ROPE_KEYS)})")
         # Llama and Qwen3 put attention_bias on o_proj as well, Llama mlp_bias on the MLP: neither is built here (the
         # other architectures ignore these keys, as transformers does)
-        for key, archs in (("attention_bias", ("Llama", "Qwen3")), ("mlp_bias", ("Llama",))):
-            if c.get(key) and arch[:-len("ForCausalLM")] in archs:
+        for key, archs in (("attention_bias", ("LlamaForCausalLM", "Qwen3ForCausalLM")),
+                           ("mlp_bias", ("LlamaForCausalLM",))):
+            if c.get(key) and arch in archs:
                 raise ValueError(f"{source}: {key}=true is not supported for {arch} (only Qwen2's q/k/v biases are)")
         heads = c["num_attention_heads"]
         # Mistral always slides (4096 unless set, null: never); Qwen2/3 only with use_sliding_window, and then only
