@@ -71,8 +71,10 @@ def fsync(path: str) -> None:
 
 
 def atomic_write(path: str, write) -> None:
-    """Call write(tmp_path), fsync, then rename onto path: readers see all of the file or none."""
+    """Call write(tmp_path), fsync, then rename onto path (its directory made if needed): readers see all of the
+    file or none."""
     tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
         write(tmp)
         fsync(tmp)

@@ -38,6 +38,7 @@ import importlib.util
 import itertools
 import json
 import math
+import operator
 import os
 import random
 import shutil
@@ -236,10 +237,15 @@ class Config:
 
 SCHEDULES = ("constant", "cosine", "linear")
 LOGGERS = ("console", "jsonl", "tensorboard")
-MINIMUM = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length",
-                            "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
-                            "actor.max_tokens_per_micro_batch", "rollout.n", "rollout.val_n", "rollout.max_rows"), 1),
-           "rollout.top_k": -1, "rollout.val_temperature": 0, "actor.optim.lr": 0, "critic.optim.lr": 0}
+AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "rollout.n",
+                             "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
+                             "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
+                             "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
+            **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
+                             "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
+ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.gpu_memory_fraction": 0, "actor.clip_ratio_c": 1,
+         "algorithm.kl_ctrl.target_kl": 0, "algorithm.rollout_is.threshold": 0, "trainer.peak_tflops": 0}
+AT_MOST = {"rollout.top_p": 1, "rollout.gpu_memory_fraction": 1}
 CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32"),
            "actor.loss_agg_mode": alg.LOSS_AGG_MODES, "critic.loss_agg_mode": alg.LOSS_AGG_MODES,
            "actor.policy_loss_mode": alg.POLICY_LOSS_MODES, "actor.kl_loss_type": alg.KL_PENALTIES,
@@ -275,6 +281,11 @@ def _build(base, d: dict, prefix: str, source):
             raise TypeError(f"{source(path)}: {path} must be {want}, got {val!r}")
         if path in CHOICES and val not in CHOICES[path]:
             raise ValueError(f"{source(path)}: {path}={val!r} is not one of {list(CHOICES[path])}")
+        for table, ok, word in ((AT_LEAST, operator.ge, ">="), (ABOVE, operator.gt, ">"), (AT_MOST, operator.le, "<=")):
+            if path in table and not ok(val, table[path]):  # (the defaults are in bounds)
+                raise ValueError(f"{source(path)}: {path}={val} must be {word} {table[path]}")
+        if path.endswith(".betas") and not (len(val) == 2 and all(type(b) in (int, float) and 0 <= b < 1 for b in val)):
+            raise ValueError(f"{source(path)}: {path}={val} must be two numbers in [0, 1) (beta1, beta2)")
         kwargs[key] = val
     return dataclasses.replace(base, **kwargs)
 
@@ -307,12 +318,6 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     for key, val in (("actor.model_path", a.model_path), ("data.train_files", d.train_files)):
         if not val:
             raise ValueError(f"{src(key)}: {key} is required")
-    for key, low in MINIMUM.items():  # (rollout.top_k: -1 and 0 are off)
-        if (val := functools.reduce(getattr, key.split("."), cfg)) < low:
-            raise ValueError(f"{src(key)}: {key}={val} must be >= {low}")
-    for key, o in (("actor.optim.betas", a.optim.betas), ("critic.optim.betas", cfg.critic.optim.betas)):
-        if len(o) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o):
-            raise ValueError(f"{src(key)}: {key}={o} must be two numbers in [0, 1) (beta1, beta2)")
     if bad := sorted(set(cfg.trainer.logger) - set(LOGGERS)):
         raise ValueError(f"{src('trainer.logger')}: trainer.logger has unknown sink(s) {bad}; valid: {list(LOGGERS)}")
     if "tensorboard" in cfg.trainer.logger and not importlib.util.find_spec("tensorboard"):  # not a dependency
@@ -331,8 +336,6 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if a.policy_loss_mode == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":  # (verl imposes it)
         raise ValueError(f"{src('actor.policy_loss_mode', 'actor.loss_agg_mode')}: actor.policy_loss_mode=gspo needs "
                          f"actor.loss_agg_mode=seq-mean-token-mean (its sequence-level ratio), got {a.loss_agg_mode}")
-    if cfg.rollout.temperature <= 0:  # the log-probs divide by it
-        raise ValueError(f"{src('rollout.temperature')}: rollout.temperature must be > 0 for training")
     return cfg
 
 
@@ -340,8 +343,7 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
 
 
 @dataclass
-class Role:
-    """A model in the training layout with its sharded optimizer (None for the frozen reference)."""
+class Role:  # a model in the training layout and its sharded optimizer (None for the frozen reference)
     model: torch.nn.Module
     optim: ShardedAdamW | None
 
@@ -715,8 +717,8 @@ class Trainer:
                     records.append({"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
                                     "ground_truth": batch.ground_truth[i], "score": float(scores[i])})
         if self.rank == 0:
-            os.makedirs(d := os.path.join(self.out, "val_generations"), exist_ok=True)
-            write_text(os.path.join(d, f"step_{self.step}.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
+            write_text(os.path.join(self.out, "val_generations", f"step_{self.step}.jsonl"),
+                       "".join(json.dumps(r) + "\n" for r in records))
         return {f"val-core/{src}/reward/mean@{cfg.rollout.val_n}": float(np.mean(v)) for src, v in by_src.items()}
 
     # --- checkpoints
@@ -761,7 +763,6 @@ class Trainer:
         barrier()
 
     def _role_dirs(self, root: str) -> list:
-        """(role, its directory) of the trained roles in a checkpoint: the actor at the root, a critic in critic/."""
         return [(self.actor, root)] + ([(self.critic, os.path.join(root, "critic"))] if self.critic is not None else [])
 
     def maybe_resume(self) -> None:
@@ -810,7 +811,6 @@ class Trainer:
         tc = self.cfg.trainer
         self.maybe_resume()  # first: a refused output_dir keeps its config.yaml
         if self.rank == 0:
-            os.makedirs(self.out, exist_ok=True)
             write_text(os.path.join(self.out, "config.yaml"),
                        yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
         logger, stop = Logger(self.cfg, self.rank, self.step, self.saved_row), {"sigterm": False}

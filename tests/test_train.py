@@ -667,11 +667,6 @@ def test_config_group_baselines_need_two_samples(small_synth, tmp_path, est):
         train.load_config(CONFIG, overrides(small_synth, tmp_path, f"algorithm.adv_estimator={est}", "rollout.n=1"))
 
 
-def test_config_zero_temperature_is_refused(small_synth, tmp_path):
-    with pytest.raises(ValueError, match="rollout.temperature must be > 0"):
-        train.load_config(CONFIG, overrides(small_synth, tmp_path, "rollout.temperature=0"))
-
-
 # ----------------------------------------------------------------------------- DAPO dynamic sampling
 
 DAPO = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "algorithm.filter_groups.enable=true")
