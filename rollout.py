@@ -49,6 +49,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,7 @@ class SamplingParams:
                 ("top_k", "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
                 ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
                 ("stop_token_ids", "a list or tuple of ints (one id: (id,))",
-                 isinstance(stops, (list, tuple)) and all(isinstance(t, int) for t in stops)),
+                 isinstance(stops, (list, tuple)) and all(isinstance(t, Integral) for t in stops)),
                 ("seed", "an int", isinstance(self.seed, int))):
             if not ok:
                 raise ValueError(f"SamplingParams.{k}={getattr(self, k)!r}: expected {want}")
@@ -448,18 +449,18 @@ class Generator:
             return []
         max_new = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, (list, tuple)) or len(max_new) != len(prompts) or not all(
-                isinstance(m, int) and m >= 1 for m in max_new):
+                isinstance(m, Integral) and m >= 1 for m in max_new):
             raise ValueError(f"max_new_tokens: expected {len(prompts)} ints >= 1 (one per prompt), "
                              f"got {max_new_tokens!r}")
         if seeds is not None and (not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts)
-                                  or not all(isinstance(x, int) for x in seeds)):
+                                  or not all(isinstance(x, Integral) for x in seeds)):
             raise ValueError(f"seeds: expected {len(prompts)} ints (one per prompt), got {seeds!r}")
-        streams = [(params.seed, p) for p in range(len(prompts))] if seeds is None else [(x, -1) for x in seeds]
+        streams = [(params.seed, p) for p in range(len(prompts))] if seeds is None else [(int(x), -1) for x in seeds]
         V = self.model.cfg.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
-            if bad := [t for t in p if not (isinstance(t, int) and 0 <= t < V)]:  # (a float id was truncated)
+            if bad := [t for t in p if not (isinstance(t, Integral) and 0 <= t < V)]:  # (numpy ints too; no floats)
                 raise ValueError(f"prompt {i}: token id {bad[0]!r} is not an int in the model's vocabulary 0..{V - 1}")
             if self.fixed_len is not None and len(p) + max_new[i] > self.fixed_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it needs "

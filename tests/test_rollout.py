@@ -5,6 +5,7 @@ import json
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -253,6 +254,11 @@ def test_per_request_seeds_do_not_depend_on_the_batch(model):
     assert tokens(gen.generate([prompts[2]], params))[0:3] != tokens(gen.generate(prompts, params))[6:9]
     with pytest.raises(ValueError, match="seeds: expected 3 ints"):
         gen.generate(prompts, params, seeds=[1, 2])
+    # numpy ids and seeds (a parquet column, an arange) draw what the same Python ints draw; numpy floats are refused
+    as_np = [np.asarray(p, dtype=np.int64) for p in prompts]
+    assert tokens(gen.generate(as_np, params, seeds=list(np.array([11, 22, 33])))) == whole
+    with pytest.raises(ValueError, match=r"prompt 0: token id \S*3\.0\S* is not an int"):
+        gen.generate([np.array([3.0, 1.0])], params)
 
 
 def test_samples_read_their_prompt_from_one_row(model, monkeypatch):
