@@ -111,12 +111,25 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
+_ORDER = {}  # group -> for each of its `ranks` as listed, its place among them sorted (where that differs)
+
+
 def _new_group(ranks: list[int]):
     # collective over the whole world: every rank creates every group, in the same order, even those it is not in.
-    # A rank's group rank is its place in `ranks`, which need not be ascending (a generation TP group, reshard.py)
+    # `ranks` need not be ascending (a generation TP group, reshard.py), but torch orders a group's ranks ascending
+    # (before 2.12 always), so the listed order is kept here: group_rank() and all_gather_stack() follow it
     if len(ranks) < 2:
         return None
-    return dist.new_group(ranks) if ranks == sorted(ranks) else dist.new_group(ranks, sort_ranks=False)
+    group = dist.new_group(sorted(ranks))
+    if ranks != sorted(ranks):
+        _ORDER[group] = [sorted(ranks).index(r) for r in ranks]
+    return group
+
+
+def group_rank(group) -> int:
+    """This rank's place in the ranks its group was made from."""
+    r = dist.get_rank(group)
+    return _ORDER[group].index(r) if group in _ORDER else r
 
 
 def make_layout(tp: int = 1, pp: int = 1) -> Layout:
@@ -239,7 +252,7 @@ def all_gather_stack(x: torch.Tensor, group) -> torch.Tensor:
         return x.unsqueeze(0)
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.stack(parts)
+    return torch.stack(parts if group not in _ORDER else [parts[i] for i in _ORDER[group]])
 
 
 # ----------------------------------------------------------------------------- TP layers
@@ -384,7 +397,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         n, tp = logits.shape[-1], 1 if group is None else dist.get_world_size(group)
         # an id outside the vocabulary would be owned by no rank and score -lse: fail instead (no host sync)
         torch._assert_async(((targets >= 0) & (targets < n * tp)).all(), f"targets must be token ids in [0, {n * tp})")
-        local = targets - (0 if group is None else dist.get_rank(group)) * n
+        local = targets - (0 if group is None else group_rank(group)) * n
         own, local = (local >= 0) & (local < n), local.clamp(0, n - 1)
         m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)
         vmax = all_reduce(m.clone(), group, dist.ReduceOp.MAX)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -84,25 +83,16 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
     return sorted(micro.values()), [[gen[r][g] for g in range(tp_g)] for r in range(len(gen))]
 
 
-def _check_sort_ranks(tp: int, tp_g: int) -> None:
-    if tp_g > tp > 1 and "sort_ranks" not in inspect.signature(dist.new_group).parameters:
-        raise RuntimeError(f"rollout tp={tp_g} above training tp={tp} lists its TP groups' ranks in slice order, not "
-                           f"ascending, which needs torch >= 2.12 (new_group's sort_ranks); this is "
-                           f"{torch.__version__}")
-
-
 def validate_generation_layout(cfg: ModelConfig, world: int, tp: int, pp: int, tp_g: int, name: str) -> None:
-    """Fail before anything is built when the generation tp does not fit the model, the training layout or torch."""
+    """Fail before anything is built when the generation tp does not fit the model or the training layout."""
     validate_layout(cfg, tp_g, 1, world, name=name)
     generation_groups(world, tp, pp, tp_g)
-    _check_sort_ranks(tp, tp_g)
 
 
 def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
     """(generation Layout, micro-DP group, its ranks). Collective: every rank creates every group in the same order."""
     world, rank = train.world_size, train.rank
     micro, gen = generation_groups(world, train.tp, train.pp, tp_g)
-    _check_sort_ranks(train.tp, tp_g)
     if tp_g == train.tp and train.pp == 1:
         return train, None, [rank]
     k, n = _split(train.tp, tp_g)

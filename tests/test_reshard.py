@@ -1,5 +1,4 @@
 """reshard.py: the grouping rule, train <-> generation resharding against one process, checkpoints, export."""
-import inspect
 import json
 import math
 import os
@@ -14,8 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import helpers
 import reshard
-from model import ModelConfig, load_model
-from parallel import Layout, ShardedAdamW, all_gather_stack, make_layout, stage_layers
+from model import load_model
+from parallel import Layout, ShardedAdamW, all_gather_stack, make_layout, stage_layers, vocab_parallel_logprobs
 from reshard import Resharder, collect_results, dispatch_prompts, generation_groups
 
 # ----------------------------------------------------------------------------- the grouping (no processes)
@@ -74,18 +73,13 @@ def test_groups_satisfy_the_rule(world):
                         assert all({x for x in gen_of[r] if x[0] == r // tp % pp} <= train_of[r] for r in g)
 
 
-def test_groups_errors(monkeypatch, tmp_path):
+def test_groups_errors():
     with pytest.raises(ValueError, match=r"rollout tp=3 .* valid: \[1, 2, 4\]"):
         generation_groups(4, 2, 1, 3)
     with pytest.raises(ValueError, match=r"divisor of dp=2; valid: \[1, 2\]"):
         generation_groups(4, 1, 2, 4)
     with pytest.raises(ValueError, match=r"tp times a divisor of dp=2; valid: \[1, 2, 4\]"):
         generation_groups(8, 2, 2, 8)
-    cfg = ModelConfig.from_dir(helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False))
-    monkeypatch.setattr(reshard.dist, "new_group", lambda ranks=None: None)  # a torch without sort_ranks
-    with pytest.raises(RuntimeError, match=r"rollout tp=4 above training tp=2 .* needs torch >= 2\.12"):
-        reshard.validate_generation_layout(cfg, 4, 2, 1, 4, "m")
-    reshard.validate_generation_layout(cfg, 4, 1, 1, 4, "m")  # from tp = 1 the groups are ascending: any torch
 
 
 def test_dispatch_shares_are_contiguous_and_balanced():
@@ -203,7 +197,13 @@ def _body(rank, world, ckpt, tp, pp, tp_gs, seqs, prompts, new, work):
                 draw = torch.rand(4)
                 if round_ == 0:
                     with torch.no_grad():
-                        logits = all_gather_last_dim(gm.logits(gm.packed(*packed(seqs))), gl.tp_group)
+                        part = gm.logits(gm.packed(*packed(seqs)))
+                        logits = all_gather_last_dim(part, gl.tp_group)
+                        # the vocabulary-parallel log-prob finds each rank's slice in any group (tp_g = 4 from tp = 2:
+                        # the group's ranks are not ascending)
+                        tgt = torch.cat(seqs).roll(-1)
+                        lp = vocab_parallel_logprobs(part, tgt, gl.tp_group)[0]
+                        assert torch.allclose(lp, logits.log_softmax(-1).gather(1, tgt[:, None])[:, 0], atol=1e-5)
                     mine, off = dispatch_prompts(prompts, gl)
                     done, how = generate(gm, mine, new)
                     comps = collect_results(done, off, gl)
@@ -292,7 +292,6 @@ CASES = {  # training (tp, pp) on 4 ranks (or WORLD's): family, config overrides
     "tp2_pp2_dp2": (2, 2, "qwen2", {"intermediate_size": 16}, (4,)),
 }
 WORLD = {"tp2_pp2_dp2": 8}
-SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
 def rel_err(a, b):
@@ -302,9 +301,6 @@ def rel_err(a, b):
 @pytest.mark.parametrize("case", list(CASES))
 def test_reshard_layouts(case, tmp_path):
     tp, pp, family, over, tp_gs = CASES[case]
-    if not SORT_RANKS:  # this torch refuses tp_g > tp > 1 at start-up (test_groups_errors): the other sizes run
-        if not (tp_gs := tuple(g for g in tp_gs if not g > tp > 1)):
-            pytest.skip("generation tp above a training tp > 1 needs torch >= 2.12 (new_group's sort_ranks)")
     ckpt = helpers.make_checkpoint(str(tmp_path / "hf"), family, **over)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 256, (n,), generator=g) for n in (7, 12, 5)]
