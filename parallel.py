@@ -121,7 +121,7 @@ def _new_group(ranks: list[int]):
     if len(ranks) < 2:
         return None
     group = dist.new_group(sorted(ranks))
-    if ranks != sorted(ranks):
+    if ranks != sorted(ranks) and dist.get_rank() in ranks:  # (the others get a placeholder, not a group)
         _ORDER[group] = [sorted(ranks).index(r) for r in ranks]
     return group
 

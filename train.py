@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import functools
 import importlib.util
 import itertools
 import json
