@@ -95,24 +95,27 @@ def remove_boxed(boxed: str) -> str:
 
 def strip_math_string(s: str) -> str:
     """Normalize a MATH answer so that equal answers usually become equal strings."""
-    s = s.strip().replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    # a LaTeX space "\ " goes before "\\" (a matrix row break) becomes "\", so that the row break survives
+    s = re.sub(r"(?<!\\)\\ ", "", s.strip().replace("\n", "").replace("\\!", "")).replace("\\\\", "\\")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = re.sub(r"\^\{?\\circ\}?", "", s).replace("°", "")
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").replace("\\ ", "")
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
-    # a trailing unit: 5\text{ cm}, 5\mathrm{cm}; not one \mathrm letter, a constant as often as a unit (2\mathrm{i})
+    # a trailing unit: 5\text{ cm}, 5\mathrm{cm}; not one \mathrm letter, a constant as often as a unit (2\mathrm{i});
+    # verl's rule first: a \text{ ...} opening with a space is a unit, whatever it holds (5\text{ m/s}, 4\text{ p.m.})
+    s = re.sub(r"^(.+?)\\text\{ [^{}]*\}\.?$", r"\1", s)
     s = re.sub(r"^(.+?)\\(?:text\{|mbox\{|mathrm\{(?=\s*[a-zA-Z]\s*[a-zA-Z]))[a-zA-Z\s]*\}(\^\{?\d\}?)?$", r"\1", s)
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s).strip().rstrip(".").strip()  # \text{word}
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
         s = s.split("=")[1]
+    if re.fullmatch(r"\s*-?[1-9]\d{0,2}(,\d{3})+(\.\d+)?\s*", s):  # thousands separators; not "1, 100", "0,125"
+        s = s.replace(",", "")
     s = s.replace(" ", "")
     s = re.sub(r"\\sqrt(\\[a-zA-Z]+|[0-9a-zA-Z])", r"\\sqrt{\1}", s)  # \sqrt2, \sqrt\pi
     s = re.sub(r"\\frac(\\[a-zA-Z]+|[0-9a-zA-Z])", r"\\frac{\1}", s)  # \frac12 -> \frac{1}2, \frac\pi2
     s = re.sub(r"(\\frac\{[^{}]*\})([0-9a-zA-Z])", r"\1{\2}", s)  # \frac{1}2 -> \frac{1}{2}
     s = re.sub(r"\^([0-9a-zA-Z])", r"^{\1}", s)  # LaTeX reads x^23 as x^{2}3
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators, not a tuple
-        s = s.replace(",", "")
     if m := re.fullmatch(r"(-?\d+)/(\d+)", s):
         s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     s = re.sub(r"(?<![0-9])\.(?=[0-9])", "0.", s)  # .5 -> 0.5
@@ -173,7 +176,7 @@ def normalize_final_answer(answer: str) -> str:
     answer = re.sub(r"\\boxed\{(.*)\}", r"\1", answer)
     answer = re.sub(r"frac([^{])(.)", r"frac{\1}{\2}", answer)
     answer = re.sub(r"sqrt([^{])", r"sqrt{\1}", answer).replace("$", "")
-    return answer.replace(",", "") if answer.replace(",", "").isdigit() else answer
+    return (answer.replace(",", "") if answer.replace(",", "").isdigit() else answer).strip()
 
 
 def math_dapo_score(solution_str: str, ground_truth: str) -> dict:

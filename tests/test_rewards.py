@@ -142,6 +142,7 @@ def test_math_score(solution, truth, expected):
     ("Answer: $42$ cm", "42", 1.0, "42"),  # the inside of $...$
     ("Answer: \\frac12", "0.5", 1.0, "\\frac{1}{2}"),  # equal as rationals (DAPO's string test says no)
     ("Answer: 25 ways", "26", -1.0, "25"),
+    ("Answer: 42\t\r\n", "42", 1.0, "42"),  # verl strips the normal form (the line keeps a \t, \r)
     ("Answer: $x = 12$", "12", 1.0, "12"),
     ("Answer: 43", "42", -1.0, "43"),
     ("Answer: 42", "\\boxed{42}", 1.0, "42"),  # a boxed ground truth is unboxed
@@ -274,6 +275,20 @@ def test_gsm8k_ground_truth_commas_are_dropped():
     ("1.05", "15", False),  # only trailing zeros after the point go: 72.0 -> 72, but 1.05 stays 1.05
     ("1.05", "1.050", True),  # equal as rationals
     ("AB=5", "5", True),  # a left-hand side of up to 2 characters is dropped (verl's strip_string)
+    # a matrix row break (two backslashes) is kept; a LaTeX space (one backslash and a space) goes
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True),
+    ("\\begin{pmatrix} 12 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", False),
+    ("\\begin{pmatrix} 1 & 23 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", False),
+    ("1\\ 000", "1000", True),  # a LaTeX space
+    ("1, 100", "1100", False),  # a list, not a thousands separator
+    ("0,125", "125", False),
+    ("12,345.5", "12345.5", True),
+    # verl's unit rule: a \text{ ...} opening with a space ends the number, whatever it holds
+    ("5\\text{ m/s}", "5", True),
+    ("4\\text{ p.m.}", "4", True),
+    ("5\\text{ cm}.", "5", True),
+    ("42\\text{ (units)}", "42", True),
+    ("2 \\text{ and } 3", "2", False),
 ])
 def test_math_equivalence_more(a, b, expected):
     assert R.is_equiv(a, b) is expected
