@@ -474,7 +474,8 @@ def prepare_gsm8k(src: str, out: str) -> None:
                     raise ValueError(f"{path}: line {line_no}: answer has no '####' final-answer marker")
                 truth = ex["answer"].split("####")[-1].replace(",", "").strip()
                 if not re.fullmatch(r"-?[0-9]+(\.[0-9]+)?", truth):  # (verl's preparation reads "-?[0-9.,]+")
-                    raise ValueError(f"{path}: line {line_no}: the final answer after '####' is {truth!r}, not a number")
+                    raise ValueError(f"{path}: line {line_no}: the final answer after '####' is {truth!r}, "
+                                     "not a number")
                 rows.append({"prompt": [{"role": "user", "content": ex["question"] + GSM8K_INSTRUCTION}],
                              "data_source": "openai/gsm8k", "ability": "math",
                              "reward_model": {"style": "rule", "ground_truth": truth},
