@@ -53,9 +53,11 @@ HF_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' defaults for keys missing from config.json, where its config classes differ
-ARCH_DEFAULTS = {"LlamaForCausalLM": {}, "MistralForCausalLM": dict(num_key_value_heads=8, sliding_window=4096),
-                 "Qwen2ForCausalLM": dict(num_key_value_heads=32, sliding_window=4096),
-                 "Qwen3ForCausalLM": dict(num_key_value_heads=32, head_dim=128, sliding_window=4096)}
+ARCH_DEFAULTS = {"LlamaForCausalLM": dict(max_position_embeddings=2048),
+                 "MistralForCausalLM": dict(num_key_value_heads=8, sliding_window=4096, max_position_embeddings=131072),
+                 "Qwen2ForCausalLM": dict(num_key_value_heads=32, sliding_window=4096, max_position_embeddings=32768),
+                 "Qwen3ForCausalLM": dict(num_key_value_heads=32, head_dim=128, sliding_window=4096,
+                                          max_position_embeddings=32768)}
 
 
 def read_json(path: str):
@@ -108,14 +110,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, c: dict, source: str = "config.json") -> "ModelConfig":
-        if not c.get("architectures"):  # some configs name only the model_type
-            if c.get("model_type") not in MODEL_TYPES:
-                raise ValueError(f"{source}: no architectures and model_type {c.get('model_type')!r} is not "
-                                 f"supported; supported: {sorted(MODEL_TYPES)}")
-            c = {**c, "architectures": [MODEL_TYPES[c["model_type"]]]}
         # transformers' AutoModelForCausalLM builds the model_type's class, whatever architectures names
-        if (arch := MODEL_TYPES.get(c.get("model_type"), c["architectures"][0])) not in SUPPORTED:
+        if (mt := c.get("model_type")) not in MODEL_TYPES and (mt is not None or not c.get("architectures")):
+            raise ValueError(f"{source}: model_type {mt!r} is not supported; supported: {sorted(MODEL_TYPES)}")
+        if (arch := MODEL_TYPES[mt] if mt else c["architectures"][0]) not in SUPPORTED:
             raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}")
+        c = c if c.get("architectures") else {**c, "architectures": [arch]}  # (some configs name only the model_type)
         if missing := [k for k in REQUIRED_KEYS if k not in c]:
             raise ValueError(f"{source}: missing required key(s) {missing}")
         c = {**ARCH_DEFAULTS[arch], **c}
@@ -127,11 +127,16 @@ class ModelConfig:
         # transformers 5 writes rope settings as `rope_parameters`; older files use rope_theta + rope_scaling, and a
         # rope_scaling present replaces rope_parameters there too (its theta included: then the top-level one or 1e4)
         rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+        if nested := [k for k, v in rope.items() if isinstance(v, dict)]:
+            raise ValueError(f"{source}: rope parameters per layer type ({nested}) are not supported")
         theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         if (rtype := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "llama3"):
             raise ValueError(f"{source}: rope type {rtype!r} is not supported; supported: default, llama3")
-        if rtype == "llama3" and (missing := [k for k in LLAMA3_ROPE_KEYS if k not in rope]):
-            raise ValueError(f"{source}: llama3 rope scaling lacks {missing} (needs {list(LLAMA3_ROPE_KEYS)})")
+        if rtype == "llama3":  # transformers': a top-level original_max_position_embeddings wins; none: the max
+            rope["original_max_position_embeddings"] = c.get("original_max_position_embeddings", rope.get(
+                "original_max_position_embeddings", c["max_position_embeddings"]))
+            if missing := [k for k in LLAMA3_ROPE_KEYS if k not in rope]:
+                raise ValueError(f"{source}: llama3 rope scaling lacks {missing} (needs {list(LLAMA3_ROPE_KEYS)})")
         # Llama and Qwen3 put attention_bias on o_proj as well, Llama mlp_bias on the MLP: neither is built here (the
         # other architectures ignore these keys, as transformers does)
         for key, archs in (("attention_bias", ("LlamaForCausalLM", "Qwen3ForCausalLM")),
@@ -152,7 +157,7 @@ class ModelConfig:
                    rope_theta=float(theta), rope_scaling=rope if rtype == "llama3" else None, sliding_window=sw,
                    attention_bias=arch == "Qwen2ForCausalLM",  # (Qwen2 has q/k/v biases whatever the key says)
                    qk_norm=arch == "Qwen3ForCausalLM", tie_word_embeddings=c.get("tie_word_embeddings", False),
-                   max_position_embeddings=c.get("max_position_embeddings", 4096), architecture=arch, raw=c)
+                   max_position_embeddings=c["max_position_embeddings"], architecture=arch, raw=c)
 
     def num_params(self, with_embedding: bool = True) -> int:
         """Matrix parameters N (norms and biases are negligible); MFU uses N without the input embedding."""
@@ -197,14 +202,15 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    # in fp32 op for op as transformers (fp64 moves ~30% of them by an ulp: 1.6e-5 of the logits at 2k positions)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
     if s := cfg.rope_scaling:  # Llama 3: scale long wavelengths by 1/factor, keep short ones, blend in between
         factor, lo, hi, old = (s[k] for k in LLAMA3_ROPE_KEYS)
         wavelen = 2 * math.pi / inv
         smooth = ((old / wavelen) - lo) / (hi - lo)
         blended = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, blended))
-    return inv.float()
+    return inv
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h: int, hkv: int,

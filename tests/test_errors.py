@@ -447,10 +447,20 @@ CASES = [
     Case("model-config-bad-json", "config.json cut mid-object",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, '{"architectures": ["Qwen2ForCausalLM"],')),
          ValueError, r"model[/\\]config\.json: not valid JSON"),
-    Case("model-unsupported-architecture", "architectures: [GPT2LMHeadModel]",
+    Case("model-unsupported-architecture", "architectures: [GPT2LMHeadModel], no model_type",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
-             env, architectures=["GPT2LMHeadModel"], model_type="gpt2"))), ValueError,
+             env, architectures=["GPT2LMHeadModel"], model_type=None))), ValueError,
          r"config\.json: architecture 'GPT2LMHeadModel' is not supported; supported: \['LlamaForCausalLM'"),
+    Case("model-type-decides", "model_type: gemma with architectures [LlamaForCausalLM] (transformers builds Gemma)",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
+             env, architectures=["LlamaForCausalLM"], model_type="gemma"))), ValueError,
+         r"config\.json: model_type 'gemma' is not supported; supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]"),
+    Case("model-rope-per-layer-type", "rope_parameters nested by layer type (read as theta 1e4 before)",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(env, rope_parameters={
+             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+             "sliding_attention": {"rope_type": "yarn"}}))),
+         ValueError, r"config\.json: rope parameters per layer type \(\['full_attention', 'sliding_attention'\]\) are "
+         r"not supported"),
     Case("model-unsupported-model-type", "model_type: gpt2, no architectures",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
              env, architectures=None, model_type="gpt2"))), ValueError,
@@ -465,8 +475,7 @@ CASES = [
     Case("model-llama3-rope-keys", "rope_scaling {rope_type: llama3, factor: 8} only",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
              env, rope_scaling={"rope_type": "llama3", "factor": 8.0}))), ValueError,
-         r"config\.json: llama3 rope scaling lacks \['low_freq_factor', 'high_freq_factor', "
-         r"'original_max_position_embeddings'\]"),
+         r"config\.json: llama3 rope scaling lacks \['low_freq_factor', 'high_freq_factor'\] \(needs "),
     Case("model-quantized", "config.json with quantization_config (an FP8 checkpoint)",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
              env, quantization_config={"quant_method": "fp8"}))), ValueError,

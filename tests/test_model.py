@@ -171,7 +171,7 @@ def test_errors_name_the_problem(tmp_path):
     bad = tmp_path / "arch"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported"):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         load_model(str(bad))
     wrong = tmp_path / "shape"
     wrong.mkdir()
@@ -249,7 +249,23 @@ def test_llama3_rope_frequencies_match_transformers_in_all_three_bands():
     blended = (wavelen > 8192 / 4) & (wavelen < 8192 / 1)
     assert blended.sum() >= 3 and (wavelen < 8192 / 4).any() and (wavelen > 8192).any()  # all three bands
     got = rope_inv_freq(cfg)
-    assert torch.allclose(got, want.float(), rtol=1e-6, atol=0), (got - want).abs().max()
+    assert torch.equal(got, want), (got - want).abs().max()  # fp32 op for op: bit for bit
+
+
+def test_rope_matches_transformers_bit_for_bit_and_over_2k_positions(tmp_path):
+    """The frequencies were computed in fp64 and rounded: an ulp off transformers' fp32 ones for ~30% of them, which
+    grew to 1.65e-5 of the logits at 2,048 positions (theta 1e6, d=128), past the 1e-5 parity bound."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    hf = Qwen3Config(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    want, _ = Qwen3RotaryEmbedding.compute_default_rope_parameters(hf)
+    assert torch.equal(rope_inv_freq(ModelConfig.from_hf({**hf.to_dict(), "architectures": ["Qwen3ForCausalLM"]})),
+                       want)
+    path = helpers.make_checkpoint(str(tmp_path), "qwen3", with_tokenizer=False, head_dim=128, num_attention_heads=1,
+                                   num_key_value_heads=1, num_hidden_layers=2, max_position_embeddings=4096,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert logits_match_transformers(path, n=2048) <= 1e-5
 
 
 def test_legacy_config_format_matches_transformers(tmp_path):
@@ -289,7 +305,8 @@ def test_missing_optional_keys_take_transformers_defaults(tmp_path):
 def test_defaults_and_rope_overrides_read_as_transformers_reads_them(tmp_path):
     """Where transformers' config classes differ: a missing num_key_value_heads is 8 for Mistral (32 for Qwen2/3), a
     missing head_dim 128 for Qwen3, a missing sliding_window 4096; rope_scaling replaces rope_parameters, theta
-    included; Mistral ignores attention_bias and mlp_bias, Qwen3 mlp_bias; model_type, not architectures, decides."""
+    included; Mistral ignores attention_bias and mlp_bias, Qwen3 mlp_bias; model_type, not architectures, decides;
+    llama3 rope takes original_max_position_embeddings from the top level, or max_position_embeddings."""
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     for i, (family, kw, edit) in enumerate((
             ("mistral", dict(num_attention_heads=16, num_key_value_heads=8), lambda c: c.pop("num_key_value_heads")),
@@ -298,7 +315,11 @@ def test_defaults_and_rope_overrides_read_as_transformers_reads_them(tmp_path):
                                              rope_scaling={**llama3, "original_max_position_embeddings": 32})),
             ("mistral", {}, lambda c: c.update(attention_bias=True, mlp_bias=True)),
             ("qwen3", {}, lambda c: c.update(mlp_bias=True)),
-            ("qwen2", {}, lambda c: c.update(architectures=["LlamaForCausalLM"])))):
+            # llama3 without original_max_position_embeddings: max_position_embeddings; a top-level one wins
+            ("llama", dict(max_position_embeddings=64), lambda c: c.update(rope_scaling=dict(llama3))),
+            ("llama", {}, lambda c: c.update(rope_scaling={**llama3, "original_max_position_embeddings": 32},
+                                             original_max_position_embeddings=64)),
+            ("qwen2", {}, lambda c: c.update(architectures=["LlamaForCausalLM"])))):  # (last: c is used below)
         path = helpers.make_checkpoint(str(tmp_path / str(i)), family, with_tokenizer=False, **kw)
         c = rewrite_config(path, edit)
         assert logits_match_transformers(path) <= 1e-5, (i, family)
