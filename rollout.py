@@ -173,7 +173,7 @@ if TRITON:
 
     @triton.jit
     def _sample_chunk(Z, Keys, Pos, Floor, Out, V, stride_z, inv_temperature, vocab_start, limit,
-                      GREEDY: tl.constexpr, FLOOR: tl.constexpr, CHUNK: tl.constexpr):
+                      GREEDY: tl.constexpr, FLOOR: tl.constexpr, LIMIT: tl.constexpr, CHUNK: tl.constexpr):
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
         and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
         argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log is
@@ -184,6 +184,7 @@ if TRITON:
         z = x.to(tl.float32) * inv_temperature
         m = tl.max(z, 0)
         p = tl.exp(z - m)
+        total = tl.sum(p, 0)
         keep = i < limit
         if FLOOR:  # top-k: the raw logits against the k-th largest, so ties with it stay in
             keep = keep & (x >= tl.load(Floor + b))
@@ -194,6 +195,8 @@ if TRITON:
             pos = tl.load(Pos + b).to(tl.uint32)
             row = _fmix32_tl(tl.load(Keys + b).to(tl.uint32) ^ _fmix32_tl(pos * 0x9E3779B1 + 0x2545F491))
             e = _neg_log2(_uniform(row, (i + vocab_start).to(tl.uint32)))
+            if LIMIT:  # relative to the allowed ids' max: an id past the limit 87 nats above them all (at a low T)
+                p = tl.exp(z - tl.max(tl.where(i < limit, z, float("-inf")), 0))  # underflowed their p to 0
             _, j = tl.min(tl.where(keep, e / p, float("inf")), 0, return_indices=True)
             x_j = tl.load(Z + b * stride_z + c * CHUNK + j)
             at = x_j.to(tl.float32) * inv_temperature
@@ -204,7 +207,7 @@ if TRITON:
             best = tl.where(ok, at + g_j, float("-inf"))
         o = Out + (b * tl.num_programs(1) + c) * 5
         tl.store(o, m)
-        tl.store(o + 1, tl.sum(p, 0))
+        tl.store(o + 1, total)
         tl.store(o + 2, best)
         tl.store(o + 3, (c * CHUNK + j).to(tl.float32))
         tl.store(o + 4, at)
@@ -219,7 +222,7 @@ def _sample_stats_gpu(logits, keys, positions, temperature: float, vocab_start: 
     _sample_chunk[(B, out.shape[1])](logits, keys, positions, logits if floor is None else floor, out, V,
                                      logits.stride(0), 1.0 / (temperature or 1.0), vocab_start,
                                      V if limit is None else limit, GREEDY=temperature == 0,
-                                     FLOOR=floor is not None, CHUNK=chunk)
+                                     FLOOR=floor is not None, LIMIT=limit is not None and limit < V, CHUNK=chunk)
     return fused(_combine_chunks, out)(out, vocab_start)
 
 
