@@ -675,5 +675,5 @@ def test_sharded_adamw_follows_torch_adamw_through_checkpoints_skips_and_offload
         backward(model, torch.randint(0, helpers.TINY_VOCAB, (9,), generator=g))  # a step skipped (non-finite)
         opt.zero_grad()
     exp_avg = opt.full_state("exp_avg")
-    for n, p in params.items():
-        torch.testing.assert_close(exp_avg[n], ropt.state[p]["exp_avg"], rtol=1e-4, atol=1e-9)
+    for n, p in params.items():  # (the two models' weights differ by fp32 rounding after a step, so do later grads)
+        torch.testing.assert_close(exp_avg[n], ropt.state[p]["exp_avg"], rtol=1e-4, atol=1e-8)
