@@ -1,7 +1,8 @@
 """A model directory for running the real configs without downloading a model: Qwen2.5-7B's config.json (or a tiny
 one, for a CPU check) and a byte-level BPE tokenizer trained on GSM8K's questions and answers, with Qwen's chat
-specials and template. The weights come from `actor.random_init=true`; ids past the tokenizer's 32k are never
-sampled (the generator's vocabulary limit), so the 7B shape's 152,064-row head and embedding are kept.
+specials and template. The weights come from `actor.random_init=true`. The 7B shape's 152,064-row head and embedding
+are kept: the trainer samples over the config's vocabulary, as vLLM and transformers do, so a random model also draws
+ids past the tokenizer's (they decode to nothing; a trained model gives them no mass).
 
     python benchmarks/make_random_model.py --src ../shared/data/gsm8k --out models/random-7b
     python data.py gsm8k --src ../shared/data/gsm8k --out data/gsm8k
