@@ -324,7 +324,8 @@ class Sampler:
 
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
         if not 1 <= batch_size <= num_items:
-            raise ValueError(f"batch_size={batch_size} must be between 1 and the dataset size {num_items}")
+            raise ValueError(f"batch_size={batch_size} (data.train_batch_size) must be between 1 and the dataset size "
+                             f"{num_items}")
         if seed < 0:  # numpy's default_rng takes non-negative seeds only; fail now, not at the first draw
             raise ValueError(f"sampler seed (data.seed) must be >= 0, got {seed}")
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
@@ -349,8 +350,9 @@ class Sampler:
     def load_state_dict(self, state: dict) -> None:
         for k in ("num_items", "seed", "shuffle"):
             if state[k] != getattr(self, k):
-                raise ValueError(f"sampler state has {k}={state[k]!r} but this sampler has {getattr(self, k)!r}; "
-                                 f"resuming would not continue the saved order")
+                raise ValueError(f"sampler state has {k}={state[k]!r} but this sampler has {getattr(self, k)!r} "
+                                 "(data.train_files, data.seed or data.shuffle changed since the checkpoint); "
+                                 "resuming would not continue the saved order")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 

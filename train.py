@@ -240,6 +240,7 @@ AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "da
                              "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
                              "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
                              "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
+            "trainer.seed": 0,
             **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
                              "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
 ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.gpu_memory_fraction": 0, "actor.clip_ratio_c": 1,
@@ -306,7 +307,8 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise TypeError(f"override {ov!r}: {p} is not a mapping")
-        node[last] = yaml.safe_load(val)
+        new = yaml.safe_load(val)  # a mapping merges into the section, as Hydra's overrides do
+        node[last] = {**node[last], **new} if isinstance(new, dict) and isinstance(node.get(last), dict) else new
 
     def src(*keys: str) -> str:  # an error names the (last) override that set one of these keys, else the file
         hits = [ov for ov in overrides for key in keys  # ov sets `key`, a key under it, or a section holding it
@@ -358,8 +360,7 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def timed(metrics: dict, name: str):
-    """Add the seconds the block takes to metrics['timing_s/<name>'] and, on GPU, its peak memory to
-    'perf/max_memory_allocated_gb/<name>' (the peak before it is kept in the step's 'perf/max_memory_allocated_gb')."""
+    """metrics['timing_s/<name>'] += the block's seconds; on GPU its peak in 'perf/max_memory_allocated_gb/<name>'."""
     cuda, key = torch.cuda.is_initialized(), "perf/max_memory_allocated_gb"
     if cuda:
         metrics[key] = max(metrics.get(key, 0.0), torch.cuda.max_memory_allocated() / 2 ** 30)
@@ -778,9 +779,10 @@ class Trainer:
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
         meta = read_json(os.path.join(path, "meta.json"))
-        if r != "auto" and (later := [s for s in saved if s > meta["step"]]):  # auto: an unpublished one, redone
-            raise ValueError(f"trainer.resume: {path!r} is step {meta['step']}, but {root!r} already holds later "
-                             f"steps {later}, which this run would overwrite; resume into a new output_dir")
+        own = not saved or os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
+        if r != "auto" and (bad := [s for s in saved if s > meta["step"] or not own]):  # (auto: a later one is redone)
+            raise ValueError(f"trainer.resume: {path!r} is step {meta['step']}, but {root!r} already holds steps {bad} "
+                             f"{'past it' if own else 'of another run'}; resume into a new output_dir")
         for role, d in self._role_dirs(path):
             if not os.path.isfile(os.path.join(d, "meta.json")):  # only a critic's can be missing
                 raise ValueError(f"trainer.resume: {path!r} holds no critic (saved by a run without one); PPO "
@@ -844,8 +846,7 @@ class Trainer:
             logger.close()
 
 
-def _saved_steps(root: str) -> list[int]:
-    """The steps of the complete checkpoints in `root`, ascending."""
+def _saved_steps(root: str) -> list[int]:  # of the complete checkpoints in `root`, ascending
     names = os.listdir(root) if os.path.isdir(root) else []
     return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
 

@@ -358,6 +358,8 @@ CASES = [
          r"override 'rollout\.top_k=-5': rollout\.top_k=-5 must be >= -1"),
     Case("config-negative-val-temperature", "rollout.val_temperature=-1", _cfg("rollout.val_temperature=-1"),
          ValueError, r"override 'rollout\.val_temperature=-1': rollout\.val_temperature=-1\.0 must be >= 0"),
+    Case("config-negative-seed", "trainer.seed=-1 (numpy's message, naming no key, before)", _cfg("trainer.seed=-1"),
+         ValueError, r"override 'trainer\.seed=-1': trainer\.seed=-1 must be >= 0"),
     Case("config-top-p-above-one", "rollout.top_p=1.5 (failed only at the first generation before)",
          _cfg("rollout.top_p=1.5"), ValueError, r"override 'rollout\.top_p=1\.5': rollout\.top_p=1\.5 must be <= 1"),
     Case("config-top-p-zero", "rollout.top_p=0", _cfg("rollout.top_p=0"), ValueError,

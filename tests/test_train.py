@@ -648,6 +648,15 @@ def test_config_override_value_may_hold_an_equals_sign(small_synth, tmp_path):
     assert cfg.reward.fn == "/x/a=b.py:score"
 
 
+def test_config_mapping_override_merges_into_the_section(small_synth, tmp_path):
+    """actor.optim={lr: 0.01} sets lr and keeps the file's other optim keys (tiny.yaml: weight_decay 0.0, not the
+    default 0.01), as Hydra merges; algorithm={kl_ctrl: ...} keeps the file's algorithm.filter_groups (30, not 10)."""
+    cfg = train.load_config(CONFIG, overrides(small_synth, tmp_path, "actor.optim={lr: 0.01}",
+                                              "algorithm={kl_ctrl: {kl_coef: 0.5}}"))
+    assert (cfg.actor.optim.lr, cfg.actor.optim.weight_decay, cfg.actor.optim.grad_clip) == (0.01, 0.0, 1.0)
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.5 and cfg.algorithm.filter_groups.max_num_gen_batches == 30
+
+
 def test_config_betas_must_be_below_one(small_synth, tmp_path):
     with pytest.raises(ValueError, match=r"actor\.optim\.betas=\[0\.9, 1\.0\] must be two numbers in \[0, 1\)"):
         train.load_config(CONFIG, overrides(small_synth, tmp_path, "actor.optim.betas=[0.9, 1.0]"))
@@ -862,7 +871,7 @@ def test_batch_metrics_by_hand(small_synth, tmp_path):
 
 def test_resume_by_path_from_the_newest_step(small_synth, tmp_path):
     """trainer.resume=PATH of the newest checkpoint in the run's own output_dir works; an older one, with a later
-    one beside it, is refused."""
+    one beside it, is refused, and so is another run's checkpoint into an output_dir holding checkpoints."""
     out = str(tmp_path / "run")
     t = trainer(small_synth, out, "trainer.keep_last_k=3")
     for s in (1, 2):
@@ -872,7 +881,15 @@ def test_resume_by_path_from_the_newest_step(small_synth, tmp_path):
     r.maybe_resume()
     assert r.step == 2
     r = trainer(small_synth, out, f"trainer.resume={out}/checkpoints/step_1")
-    with pytest.raises(ValueError, match=r"already holds later steps \[2\]"):
+    with pytest.raises(ValueError, match=r"already holds steps \[2\] past it"):
+        r.maybe_resume()
+    # another run's checkpoint into this output_dir: its steps 1-2 would sit beside the other run's
+    other = str(tmp_path / "other")
+    o = trainer(small_synth, other, "trainer.keep_last_k=3")
+    o.step = 1
+    o.save_checkpoint()
+    r = trainer(small_synth, out, f"trainer.resume={other}/checkpoints/step_1")
+    with pytest.raises(ValueError, match=r"already holds steps \[1, 2\] of another run"):
         r.maybe_resume()
 
 
