@@ -37,7 +37,8 @@ logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner 
   k-th largest logit, and the same Gumbel-max runs over the logits at or above it (ties with the k-th included).
 * top-p: one all-gather of the ranks' top-k candidates (top_k off: whole slices, for tp > 1 a vocabulary gather: pair
   it with a top_k) lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (like
-  transformers) and take the Gumbel-max of the survivors.
+  transformers) and take the Gumbel-max of the survivors. The tokens tied with the k-th, which the candidates may
+  cut, are counted over the ranks and drawn from the slices: two more small all-gathers.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary: the distribution the
 trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled from (that mismatch is what
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from model import TRITON, AttnContext, KVCache, Transformer, load_model, read_json
-from parallel import all_gather_stack, fused
+from parallel import all_gather_stack, fused, group_rank
 
 if TRITON:
     import triton
@@ -265,9 +266,11 @@ def top_k_floor(logits: torch.Tensor, top_k: int, group, limit: int | None = Non
 
 def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float,
                        top_k: int, top_p: float, group, vocab_start: int = 0, limit: int | None = None):
-    """Draw from softmax(logits / T) restricted to the top-k (top_k 0: off), then to the nucleus of mass top_p of the
-    top-k-renormalised distribution; log-probs as in sample_tokens. Ties with the k-th largest logit are cut where
-    topk cuts them (top-k alone keeps them all: top_k_floor)."""
+    """Draw from softmax(logits / T) restricted to the top-k (top_k 0: off; every token tied with the k-th in, as in
+    transformers), then to the nucleus of mass top_p of that renormalised distribution: a token stays while the mass
+    above it is < top_p; log-probs as in sample_tokens. The gathered candidates hold every token above the k-th
+    value; those tied with it (any number, on any rank) are counted and enter the nucleus in id order (among equal
+    logits transformers' order is its sort's), so they are drawn from each rank's slice."""
     B, V = logits.shape
     z = logits.float() / temperature
     lse = torch.logsumexp(z, -1)
@@ -281,12 +284,30 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
     if group is not None:  # merge the ranks' candidates
         cv, order = cv.sort(dim=-1, descending=True, stable=True)
         ci = ci.gather(1, order)
-    if top_k > 0:
-        cv, ci = cv[:, :top_k], ci[:, :top_k]
-    q = torch.softmax(cv, -1)  # keep a token while the mass strictly above it is < top_p (so always the first)
-    score = (cv + gumbel(keys, positions, ci.long())).masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
+    if top_k <= 0:
+        q = torch.softmax(cv, -1)  # keep a token while the mass strictly above it is < top_p (so always the first)
+        score = (cv + gumbel(keys, positions, ci.long())).masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
+        j = score.argmax(-1, keepdim=True)
+        return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
+    cv, ci = cv[:, :top_k], ci[:, :top_k]
+    f = cv[:, -1:]  # the k-th largest z; the candidates above it are all the tokens above it
+    tie = (z == f) & (z > float("-inf"))
+    counts = all_gather_stack(tie.sum(-1).float(), group)  # [tp, B]: ranks hold consecutive ids, so id order
+    n_f, before = counts.sum(0), counts[:group_rank(group) if group is not None else 0].sum(0)
+    above = cv > f
+    log_zk = torch.logsumexp(torch.cat([cv.masked_fill(~above, float("-inf")), f + n_f.log()[:, None]], -1), -1)
+    q = torch.exp(cv - log_zk[:, None]).masked_fill(~above, 0.0)
+    n_keep = ((top_p - q.sum(-1)) / torch.exp(f[:, 0] - log_zk)).ceil()  # ties i kept: mass above + i q_f < top_p
+    score = (cv + gumbel(keys, positions, ci.long())).masked_fill(~above | (q.cumsum(-1) - q >= top_p), float("-inf"))
     j = score.argmax(-1, keepdim=True)
-    return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
+    ties = tie & (before[:, None] + tie.cumsum(-1, dtype=torch.int32) <= n_keep[:, None])  # the first n_keep, by id
+    stats = _sample_stats_gpu if TRITON and z.is_cuda else _sample_stats  # their Gumbel-max: the fused sampler's
+    t = all_gather_stack(stats(z.masked_fill(~ties, float("-inf")), keys, positions, 1.0, vocab_start, None)[:, :2],
+                         group)  # [tp, B, (best z + g, its id)]
+    t = t.gather(0, t[..., 0].argmax(0)[None, :, None].expand(1, -1, 2))[0]
+    win = t[:, 0] > score.gather(1, j)[:, 0]
+    return (torch.where(win, t[:, 1], ci.gather(1, j)[:, 0]).long(),
+            torch.where(win, f[:, 0], cv.gather(1, j)[:, 0]) - lse)
 
 
 # ----------------------------------------------------------------------------- the generator

@@ -189,6 +189,47 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_logit():
     assert rollout.top_k_floor(logits, 2, None, limit=5).tolist() == [1.0] * B
 
 
+TIED = torch.tensor([2.0, 0.5, 1.0, 1.0, -1.0, 3.0, 0.0, 1.0, -2.0, 0.25, 0.9, 1.5])  # 1.0 at ids 2, 3 and 7
+
+
+def _tied_draws(k: int, p: float, B: int = 60000, rank: int = 0, group=None):
+    import rollout
+    keys = torch.tensor([rollout.sample_key(9, i, 0) for i in range(B)])
+    V = len(TIED) // (1 if group is None else 2)  # at tp=2 each rank holds 6 ids: ties 2, 3 on rank 0, 7 on rank 1
+    return rollout.sample_top_k_top_p(TIED[rank * V:(rank + 1) * V].repeat(B, 1), keys, torch.full((B,), 5), 1.0,
+                                      k, p, group, vocab_start=rank * V)
+
+
+def test_top_k_top_p_keeps_the_ties_as_transformers():
+    """With top_p too, every token tied with the k-th largest is in the top-k (it used to be cut where torch.topk
+    cut it) and the nucleus counts them all: the draw frequencies of each logit value match transformers'
+    TopKLogitsWarper + TopPLogitsWarper. Which of the ties a partial nucleus keeps is an order among equal logits
+    (transformers' is its sort's, ours the ids'), so values are compared, and how many of each are drawn."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    for k, p in ((4, 0.95), (4, 0.85), (5, 0.9), (6, 0.99), (3, 0.9), (12, 0.5)):
+        tok, lp = _tied_draws(k, p)
+        freq = torch.bincount(tok, minlength=len(TIED)).float() / len(tok)
+        ref = torch.softmax(TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, TIED[None].clone())), -1)[0]
+        for v in TIED.unique():
+            at = TIED == v
+            assert abs(freq[at].sum() - ref[at].sum()) < 0.01, (k, p, v)
+            assert (freq[at] > 0).sum() == (ref[at] > 0).sum(), (k, p, v)
+        assert torch.allclose(lp, torch.log_softmax(TIED, -1)[tok])  # the unfiltered softmax's log-prob
+
+
+def _tied_tp_body(rank, world):
+    import torch.distributed as dist
+    return [_tied_draws(k, p, 2000, rank, dist.group.WORLD) for k, p in ((4, 0.95), (4, 0.85), (5, 0.9))]
+
+
+def test_top_k_top_p_ties_across_tensor_parallel_ranks():
+    """The ties counted over the ranks, in id order across them: tp=2 draws what one process draws."""
+    r0, r1 = helpers.run_distributed(_tied_tp_body, 2)
+    for (k, p), (t0, lp0), (t1, _) in zip(((4, 0.95), (4, 0.85), (5, 0.9)), r0, r1):
+        one, lp = _tied_draws(k, p, 2000)
+        assert torch.equal(t0, one) and torch.equal(t1, one) and torch.allclose(lp0, lp), (k, p)
+
+
 def test_vocab_size_limits_the_draw_not_the_softmax(model):
     prompt = rand_prompts((5,), seed=7)[0]
     comps = Generator(model, max_rows=512, vocab_size=128).generate(
