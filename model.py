@@ -97,6 +97,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
+    pad_token_id: int | None = None  # its embedding row gets no gradient from the lookup (nn.Embedding's padding_idx)
     architecture: str = "LlamaForCausalLM"
     raw: dict | None = None  # the config.json it came from (export writes it back)
 
@@ -157,7 +158,8 @@ class ModelConfig:
                    rope_theta=float(theta), rope_scaling=rope if rtype == "llama3" else None, sliding_window=sw,
                    attention_bias=arch == "Qwen2ForCausalLM",  # (Qwen2 has q/k/v biases whatever the key says)
                    qk_norm=arch == "Qwen3ForCausalLM", tie_word_embeddings=c.get("tie_word_embeddings", False),
-                   max_position_embeddings=c["max_position_embeddings"], architecture=arch, raw=c)
+                   max_position_embeddings=c["max_position_embeddings"], architecture=arch, raw=c,
+                   pad_token_id=c.get("pad_token_id") if 0 <= (c.get("pad_token_id") or 0) < c["vocab_size"] else None)
 
     def num_params(self, with_embedding: bool = True) -> int:
         """Matrix parameters N (norms and biases are negligible); MFU uses N without the input embedding."""
@@ -532,7 +534,8 @@ class Transformer(nn.Module):
         self.cfg, self.layout, self.layer_start = cfg, layout, start
         kw = dict(dtype=dtype, device=device)
         first, last = layout.is_first_stage, layout.is_last_stage
-        embedding = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw)  # noqa: E731
+        embedding = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout, **kw,  # noqa: E731
+                                                   padding_idx=cfg.pad_token_id)
         self.embed_tokens = embedding() if first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, i, **kw) for i in range(end - start))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if last else None

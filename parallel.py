@@ -335,20 +335,23 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r*V/tp, (r+1)*V/tp); other ids give zeros, and one all-reduce assembles the embedding."""
+    """Rank r holds rows [r*V/tp, (r+1)*V/tp); other ids give zeros, and one all-reduce assembles the embedding.
+    The padding_idx row gets no gradient from the lookup, as in torch's nn.Embedding (transformers: pad_token_id)."""
 
-    def __init__(self, vocab_size: int, dim: int, layout: Layout, dtype=None, device=None):
+    def __init__(self, vocab_size: int, dim: int, layout: Layout, dtype=None, device=None, padding_idx=None):
         super().__init__()
         self.group, n = layout.tp_group, vocab_size // layout.tp
         self.start, self.end = layout.tp_rank * n, (layout.tp_rank + 1) * n
         self.weight = _param((n, dim), 0, [vocab_size], dtype, device)
+        self.pad = None if padding_idx is None or not self.start <= padding_idx < self.end else padding_idx - self.start
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, self.pad)
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        return reduce_from_tp(F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return reduce_from_tp(F.embedding(local, self.weight, self.pad).masked_fill(outside.unsqueeze(-1), 0.0),
+                              self.group)
 
 
 # ----------------------------------------------------------------------------- vocab-parallel log-probs
