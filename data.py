@@ -485,8 +485,7 @@ def prepare_gsm8k(src: str, out: str) -> None:
                                             "answer": ex["answer"]}})
         if not rows:
             raise ValueError(f"{path} holds no examples")
-    os.makedirs(out, exist_ok=True)
-    for split, rows in splits.items():
+    for split, rows in splits.items():  # (atomic_write makes `out`)
         path = os.path.join(out, f"{split}.parquet")
         _write_parquet(rows, path)
         print(f"wrote {len(rows)} rows to {path}")

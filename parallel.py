@@ -127,7 +127,9 @@ def _new_group(ranks: list[int]):
 
 
 def group_rank(group) -> int:
-    """This rank's place in the ranks its group was made from."""
+    """This rank's place in the ranks its group was made from (0 without a group)."""
+    if group is None:
+        return 0
     r = dist.get_rank(group)
     return _ORDER[group].index(r) if group in _ORDER else r
 
@@ -400,7 +402,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         n, tp = logits.shape[-1], 1 if group is None else dist.get_world_size(group)
         # an id outside the vocabulary would be owned by no rank and score -lse: fail instead (no host sync)
         torch._assert_async(((targets >= 0) & (targets < n * tp)).all(), f"targets must be token ids in [0, {n * tp})")
-        local = targets - (0 if group is None else group_rank(group)) * n
+        local = targets - group_rank(group) * n
         own, local = (local >= 0) & (local < n), local.clamp(0, n - 1)
         m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)
         vmax = all_reduce(m.clone(), group, dist.ReduceOp.MAX)

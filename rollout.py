@@ -293,7 +293,7 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
     f = cv[:, -1:]  # the k-th largest z; the candidates above it are all the tokens above it
     tie = (z == f) & (z > float("-inf"))
     counts = all_gather_stack(tie.sum(-1).float(), group)  # [tp, B]: ranks hold consecutive ids, so id order
-    n_f, before = counts.sum(0), counts[:group_rank(group) if group is not None else 0].sum(0)
+    n_f, before = counts.sum(0), counts[:group_rank(group)].sum(0)
     above = cv > f
     log_zk = torch.logsumexp(torch.cat([cv.masked_fill(~above, float("-inf")), f + n_f.log()[:, None]], -1), -1)
     q = torch.exp(cv - log_zk[:, None]).masked_fill(~above, 0.0)
