@@ -35,10 +35,11 @@ logsumexp z) in one fused pass; one all-gather of those [B, 4] picks the winner 
 
 * top-k: the global top k are among the union of the ranks' local top k, so one all-gather of those values gives the
   k-th largest logit, and the same Gumbel-max runs over the logits at or above it (ties with the k-th included).
-* top-p: one all-gather of the ranks' top-k candidates (top_k off: whole slices, for tp > 1 a vocabulary gather: pair
-  it with a top_k) lets every rank sort them, mask the nucleus on the top-k-renormalised probabilities (like
-  transformers) and take the Gumbel-max of the survivors. The tokens tied with the k-th, which the candidates may
-  cut, are counted over the ranks and drawn from the slices: two more small all-gathers.
+* top-p: the nucleus is every token above some value v, and part of those tied with it. v is found without sorting
+  the vocabulary: a bisection over the floats' bit patterns (read as ordered ints), where each step asks whether the
+  tokens above the midpoint hold < top_p of the (top-k-renormalised) mass: one pass over the logits that sums their
+  exp, then an all-gather of a few statistics per row; 16 steps for bf16. The same Gumbel-max then runs over the logits
+  >= v, with the tokens tied with v weighted by the share of them that the nucleus keeps.
 
 The returned log-prob of a sampled token is log_softmax(logits / T) over the whole vocabulary: the distribution the
 trainer recomputes, NOT the top-k/top-p-renormalised one that was sampled from (that mismatch is what
@@ -56,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from model import TRITON, AttnContext, KVCache, Transformer, load_model, read_json
-from parallel import all_gather_stack, fused, group_rank
+from parallel import all_gather_stack, fused
 
 if TRITON:
     import triton
@@ -134,10 +135,11 @@ def gumbel(keys: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> to
 # ----------------------------------------------------------------------------- vocab-parallel sampling
 
 
-def _sample_stats(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None, floor=None):
+def _sample_stats(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None, floor=None,
+                  tie_weight=None):
     """This rank's slice [B, V/tp] -> [B, 4]: the best score z + g (z alone when greedy), its global id,
-    z there, and logsumexp(z); z = logits / T in fp32 (T = 1 when greedy). Only logits >= floor [B] (top-k's) are
-    drawn. The reference of the kernel."""
+    z there, and logsumexp(z); z = logits / T in fp32 (T = 1 when greedy). Only logits >= floor [B] (top-k's, top-p's)
+    are drawn, those equal to it with their weight times tie_weight [B] if given. The reference of the kernel."""
     z = logits.float() / (temperature or 1.0)
     ids = torch.arange(z.shape[-1], device=z.device)
     score = z + gumbel(keys, positions, ids + vocab_start) if temperature > 0 else z
@@ -145,6 +147,8 @@ def _sample_stats(logits, keys, positions, temperature: float, vocab_start: int,
         score = score.masked_fill(ids >= limit, float("-inf"))
     if floor is not None:
         score = score.masked_fill(logits < floor[:, None], float("-inf"))
+    if tie_weight is not None:
+        score = score + torch.where(logits == floor[:, None], tie_weight.log()[:, None], 0.0)
     val, idx = score.max(-1)
     z_idx = z.gather(1, idx[:, None])[:, 0]
     return torch.stack([val, (idx + vocab_start).float(), z_idx, torch.logsumexp(z, -1)], -1)
@@ -173,8 +177,9 @@ if TRITON:
         return tl.where(v < 0.015625, v * (1.0 + v * (0.5 + v * 0.33333334)) * 1.4426950408889634, -lg2)
 
     @triton.jit
-    def _sample_chunk(Z, Keys, Pos, Floor, Out, V, stride_z, inv_temperature, vocab_start, limit,
-                      GREEDY: tl.constexpr, FLOOR: tl.constexpr, LIMIT: tl.constexpr, CHUNK: tl.constexpr):
+    def _sample_chunk(Z, Keys, Pos, Floor, Tie, Out, V, stride_z, inv_temperature, vocab_start, limit,
+                      GREEDY: tl.constexpr, FLOOR: tl.constexpr, TIES: tl.constexpr, LIMIT: tl.constexpr,
+                      CHUNK: tl.constexpr):
         """Program (row b, chunk c) of _sample_stats in uint32 arithmetic (the same hashes): the chunk's max
         and sum of exp of z, its best score, that token's index in the slice and z there. argmax z - log E is
         argmin E / exp(z - m): one log per token instead of two, and the exp is the one the sum needs. That log is
@@ -187,7 +192,7 @@ if TRITON:
         p = tl.exp(z - m)
         total = tl.sum(p, 0)
         keep = i < limit
-        if FLOOR:  # top-k: the raw logits against the k-th largest, so ties with it stay in
+        if FLOOR:  # top-k, top-p: the raw logits against the smallest one kept, so ties with it stay in
             keep = keep & (x >= tl.load(Floor + b))
         if GREEDY:
             best, j = tl.max(tl.where(i < limit, z, float("-inf")), 0, return_indices=True)
@@ -198,6 +203,8 @@ if TRITON:
             e = _neg_log2(_uniform(row, (i + vocab_start).to(tl.uint32)))
             if LIMIT:  # relative to the allowed ids' max: an id past the limit 87 nats above them all (at a low T)
                 p = tl.exp(z - tl.max(tl.where(i < limit, z, float("-inf")), 0))  # underflowed their p to 0
+            if TIES:  # top-p: the tokens tied with the floor weigh the share of them the nucleus keeps
+                p = tl.where(x == tl.load(Floor + b), p * tl.load(Tie + b), p)
             _, j = tl.min(tl.where(keep, e / p, float("inf")), 0, return_indices=True)
             x_j = tl.load(Z + b * stride_z + c * CHUNK + j)
             at = x_j.to(tl.float32) * inv_temperature
@@ -205,6 +212,8 @@ if TRITON:
             ok = c * CHUNK + j < limit
             if FLOOR:
                 ok = ok & (x_j >= tl.load(Floor + b))
+            if TIES:
+                g_j += tl.where(x_j == tl.load(Floor + b), tl.log(tl.load(Tie + b)), 0.0)
             best = tl.where(ok, at + g_j, float("-inf"))
         o = Out + (b * tl.num_programs(1) + c) * 5
         tl.store(o, m)
@@ -215,15 +224,16 @@ if TRITON:
 
 
 def _sample_stats_gpu(logits, keys, positions, temperature: float, vocab_start: int, limit: int | None,
-                      floor=None, chunk: int = 4096):
+                      floor=None, tie_weight=None, chunk: int = 4096):
     """_sample_stats with the vocabulary cut into chunks, one program each (B programs alone would leave
     the GPU idle and serialise the hashing), then the chunks combined like the ranks are."""
     B, V = logits.shape
     out = torch.empty(B, triton.cdiv(V, chunk), 5, dtype=torch.float32, device=logits.device)
-    _sample_chunk[(B, out.shape[1])](logits, keys, positions, logits if floor is None else floor, out, V,
-                                     logits.stride(0), 1.0 / (temperature or 1.0), vocab_start,
-                                     V if limit is None else limit, GREEDY=temperature == 0,
-                                     FLOOR=floor is not None, LIMIT=limit is not None and limit < V, CHUNK=chunk)
+    _sample_chunk[(B, out.shape[1])](logits, keys, positions, logits if floor is None else floor,
+                                     out if tie_weight is None else tie_weight, out, V, logits.stride(0),
+                                     1.0 / (temperature or 1.0), vocab_start, V if limit is None else limit,
+                                     GREEDY=temperature == 0, FLOOR=floor is not None, TIES=tie_weight is not None,
+                                     LIMIT=limit is not None and limit < V, CHUNK=chunk)
     return fused(_combine_chunks, out)(out, vocab_start)
 
 
@@ -235,13 +245,13 @@ def _combine_chunks(out: torch.Tensor, vocab_start: int) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float, group,
-                  vocab_start: int = 0, limit: int | None = None,
-                  floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  vocab_start: int = 0, limit: int | None = None, floor: torch.Tensor | None = None,
+                  tie_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact draw from softmax(logits / T) by Gumbel-max (temperature 0: argmax) over the split vocabulary, among
-    the logits >= floor [B] if given (top_k_floor); returns (tokens [B], their log_softmax(logits / T), T = 1 when
-    greedy)."""
+    the logits >= floor [B] if given (top_k_floor), those equal to it weighted by tie_weight [B] if given (top-p's);
+    returns (tokens [B], their log_softmax(logits / T), T = 1 when greedy)."""
     stats = _sample_stats_gpu if TRITON and logits.is_cuda else _sample_stats
-    s = stats(logits, keys, positions, temperature, vocab_start, limit, floor)
+    s = stats(logits, keys, positions, temperature, vocab_start, limit, floor, tie_weight)
     if group is None:
         return s[:, 1].long(), s[:, 2] - s[:, 3]
     g = all_gather_stack(s, group)  # [tp, B, 4]
@@ -264,50 +274,123 @@ def top_k_floor(logits: torch.Tensor, top_k: int, group, limit: int | None = Non
     return vals[:, -1].to(logits.dtype)
 
 
+def _cut_stats_ref(x, cut, floor, inv_temperature: float, limit: int):
+    """[B, V] slice -> [B, 1, 4], one part's statistics: over the allowed ids (>= floor, < limit) the max M of
+    z = x / T, the sum of exp(z - M), that sum over the tokens above `cut` [B] (a value in x's dtype), and the count
+    of those equal to it. The kernel's reference."""
+    ok = (x >= floor[:, None]) & (torch.arange(x.shape[-1], device=x.device) < limit)
+    z = torch.where(ok, x.float() * inv_temperature, float("-inf"))
+    m = z.amax(-1)
+    p = torch.where(ok, torch.exp(z - m[:, None]), 0.0)
+    above, equal = (p * (x > cut[:, None])).sum(-1), (ok & (x == cut[:, None])).sum(-1)
+    return torch.stack([m, p.sum(-1), above, equal], -1)[:, None]
+
+
+if TRITON:
+    @triton.jit
+    def _cut_part(X, Cut, Floor, Out, V, stride_x, inv_temperature, limit, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row b, part s of SPLIT ids) of _cut_stats_ref: one pass for the max, one for the sums (one pass
+        with a running max was no faster on H200)."""
+        b, s = tl.program_id(0), tl.program_id(1)
+        f, cut = tl.load(Floor + b), tl.load(Cut + b)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        for n0 in range(s * SPLIT, (s + 1) * SPLIT, BLOCK):
+            i = n0 + tl.arange(0, BLOCK)
+            x = tl.load(X + b * stride_x + i, mask=i < V, other=float("-inf"))
+            m = tl.maximum(m, tl.where((i < limit) & (x >= f), x.to(tl.float32) * inv_temperature, float("-inf")))
+        m_all = tl.max(m, 0)
+        total, mass = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+        n_equal = tl.zeros([BLOCK], tl.int32)
+        for n0 in range(s * SPLIT, (s + 1) * SPLIT, BLOCK):
+            i = n0 + tl.arange(0, BLOCK)
+            x = tl.load(X + b * stride_x + i, mask=i < V, other=float("-inf"))
+            ok = (i < limit) & (x >= f)
+            p = tl.where(ok, tl.exp(x.to(tl.float32) * inv_temperature - m_all), 0.0)
+            total += p
+            mass += tl.where(x > cut, p, 0.0)
+            n_equal += (ok & (x == cut)).to(tl.int32)
+        o = Out + (b * tl.num_programs(1) + s) * 4
+        tl.store(o, m_all)
+        tl.store(o + 1, tl.sum(total, 0))
+        tl.store(o + 2, tl.sum(mass, 0))
+        tl.store(o + 3, tl.sum(n_equal, 0).to(tl.float32))
+
+
+def _cut_stats(logits, cut, floor, inv_temperature: float, limit: int, group, split: int = 8192) -> torch.Tensor:
+    """_cut_stats_ref of each part of the rows [B, parts, 4]: on GPU a kernel's parts of SPLIT ids; over the ranks,
+    all their parts."""
+    B, V = logits.shape
+    if TRITON and logits.is_cuda:
+        st = torch.empty(B, triton.cdiv(V, split), 4, dtype=torch.float32, device=logits.device)
+        _cut_part[(B, st.shape[1])](logits, cut, floor, st, V, logits.stride(0), inv_temperature, limit,
+                                    SPLIT=split, BLOCK=1024)
+    else:
+        st = _cut_stats_ref(logits, cut, floor, inv_temperature, limit)
+    return st if group is None else all_gather_stack(st, group).transpose(0, 1).flatten(1, 2)
+
+
+def _combine_cut_stats(st: torch.Tensor) -> torch.Tensor:
+    """[B, parts, 4] -> [B, 4]: the parts' sums rescaled to the largest max (a part with no allowed id has max -inf
+    and weighs 0)."""
+    m = st[..., 0].amax(-1, keepdim=True)
+    w = torch.exp(st[..., 0] - m).nan_to_num(0.0)
+    return torch.cat([m, (st[..., 1:3] * w[..., None]).sum(1), st[..., 3:].sum(1)], -1)
+
+
+def _flip(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """A float's bits as a signed int <-> a key ordered as the floats are (a negative's magnitude bits flipped); the
+    map is its own inverse."""
+    return bits ^ ((bits >> (width - 1)) & (2 ** (width - 1) - 1))
+
+
+_INT = {16: torch.int16, 32: torch.int32}  # a float's bits, by width
+
+
+def _from_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    width = torch.finfo(dtype).bits
+    return _flip(key, width).to(_INT[width]).view(dtype)
+
+
+def _narrow(lo, hi, parts, top_p: float, dtype: torch.dtype):
+    """One bisection step at the midpoint key, given its _cut_stats; returns (lo, hi) and the next midpoint's value."""
+    st, mid = _combine_cut_stats(parts), (lo + hi) // 2
+    ok = st[:, 2] < top_p * st[:, 1]  # P(mid): the tokens above it hold < top_p of the mass
+    lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
+    return lo, hi, _from_key((lo + hi) // 2, dtype)
+
+
+def _nucleus_end(logits, floor, inv_temperature: float, limit: int, group, top_p: float):
+    """Where the nucleus of the allowed ids ends: the smallest value v [B] whose tokens are kept, by bisection over
+    the floats' keys. P(v) = "the tokens above v hold < top_p of the mass" is false at -inf, true at +inf and turns
+    true once, at v; each step reads the logits once, and width steps (16 for bf16) leave lo, hi adjacent."""
+    B, width, dtype = logits.shape[0], torch.finfo(logits.dtype).bits, logits.dtype
+    ends = torch.tensor([float("-inf"), float("inf")], dtype=dtype).view(_INT[width]).long()  # (on the host: no copy
+    lo, hi = (torch.full((B,), k, device=logits.device) for k in _flip(ends, width).tolist())  # in a CUDA graph)
+    cut = _from_key((lo + hi) // 2, dtype)
+    for _ in range(width):
+        lo, hi, cut = fused(_narrow, logits)(lo, hi, _cut_stats(logits, cut, floor, inv_temperature, limit, group),
+                                             top_p, dtype)
+    return _from_key(hi, dtype)
+
+
 def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, temperature: float,
                        top_k: int, top_p: float, group, vocab_start: int = 0, limit: int | None = None):
     """Draw from softmax(logits / T) restricted to the top-k (top_k 0: off; every token tied with the k-th in, as in
     transformers), then to the nucleus of mass top_p of that renormalised distribution: a token stays while the mass
-    above it is < top_p; log-probs as in sample_tokens. The gathered candidates hold every token above the k-th
-    value; those tied with it (any number, on any rank) are counted and enter the nucleus in id order (among equal
-    logits transformers' order is its sort's), so they are drawn from each rank's slice."""
+    above it is < top_p; log-probs as in sample_tokens. The nucleus ends at a value `last` (_nucleus_end: a
+    bisection, no sort). The fused sampler draws from the tokens at or above it, those tied with it weighted by the
+    share of them the nucleus keeps, so spread evenly over them (transformers keeps the ones its sort puts first, an
+    order that equal logits do not have)."""
     B, V = logits.shape
-    z = logits.float() / temperature
-    lse = torch.logsumexp(z, -1)
-    if limit is not None:
-        z = z.masked_fill(torch.arange(V, device=z.device) >= limit, float("-inf"))
-    k = min(top_k, V) if top_k > 0 else V
-    vals, ids = z.topk(k, dim=-1)  # sorted, largest first
-    g = all_gather_stack(torch.cat([lse[:, None], vals, (ids + vocab_start).float()], -1), group)  # [tp, B, 1+2k]
-    lse = torch.logsumexp(g[..., 0], 0)
-    cv, ci = g[..., 1:1 + k].transpose(0, 1).reshape(B, -1), g[..., 1 + k:].transpose(0, 1).reshape(B, -1)
-    if group is not None:  # merge the ranks' candidates
-        cv, order = cv.sort(dim=-1, descending=True, stable=True)
-        ci = ci.gather(1, order)
-    if top_k <= 0:
-        q = torch.softmax(cv, -1)  # keep a token while the mass strictly above it is < top_p (so always the first)
-        score = (cv + gumbel(keys, positions, ci.long())).masked_fill((q.cumsum(-1) - q) >= top_p, float("-inf"))
-        j = score.argmax(-1, keepdim=True)
-        return ci.gather(1, j)[:, 0].long(), cv.gather(1, j)[:, 0] - lse
-    cv, ci = cv[:, :top_k], ci[:, :top_k]
-    f = cv[:, -1:]  # the k-th largest z; the candidates above it are all the tokens above it
-    tie = (z == f) & (z > float("-inf"))
-    counts = all_gather_stack(tie.sum(-1).float(), group)  # [tp, B]: ranks hold consecutive ids, so id order
-    n_f, before = counts.sum(0), counts[:group_rank(group)].sum(0)
-    above = cv > f
-    log_zk = torch.logsumexp(torch.cat([cv.masked_fill(~above, float("-inf")), f + n_f.log()[:, None]], -1), -1)
-    q = torch.exp(cv - log_zk[:, None]).masked_fill(~above, 0.0)
-    n_keep = ((top_p - q.sum(-1)) / torch.exp(f[:, 0] - log_zk)).ceil()  # ties i kept: mass above + i q_f < top_p
-    score = (cv + gumbel(keys, positions, ci.long())).masked_fill(~above | (q.cumsum(-1) - q >= top_p), float("-inf"))
-    j = score.argmax(-1, keepdim=True)
-    ties = tie & (before[:, None] + tie.cumsum(-1, dtype=torch.int32) <= n_keep[:, None])  # the first n_keep, by id
-    stats = _sample_stats_gpu if TRITON and z.is_cuda else _sample_stats  # their Gumbel-max: the fused sampler's
-    t = all_gather_stack(stats(z.masked_fill(~ties, float("-inf")), keys, positions, 1.0, vocab_start, None)[:, :2],
-                         group)  # [tp, B, (best z + g, its id)]
-    t = t.gather(0, t[..., 0].argmax(0)[None, :, None].expand(1, -1, 2))[0]
-    win = t[:, 0] > score.gather(1, j)[:, 0]
-    return (torch.where(win, t[:, 1], ci.gather(1, j)[:, 0]).long(),
-            torch.where(win, f[:, 0], cv.gather(1, j)[:, 0]) - lse)
+    limit, inv_t = V if limit is None else limit, 1.0 / temperature
+    floor = (top_k_floor(logits, top_k, group, limit) if top_k > 0
+             else torch.full((B,), float("-inf"), dtype=logits.dtype, device=logits.device))
+    last = _nucleus_end(logits, floor, inv_t, limit, group, top_p)
+    st = fused(_combine_cut_stats, logits)(_cut_stats(logits, last, floor, inv_t, limit, group))
+    lse, mass, n = st[:, 0] + st[:, 1].log(), st[:, 2] / st[:, 1], st[:, 3]  # mass: of the tokens above last
+    # i of the n tied tokens are in while mass + (i - 1) q < top_p: as a share of all n, a weight on their draw
+    n_keep = ((top_p - mass) / torch.exp(last.float() * inv_t - lse)).ceil().clamp(1).minimum(n)  # (the first is in)
+    return sample_tokens(logits, keys, positions, temperature, group, vocab_start, limit, last, n_keep / n)
 
 
 # ----------------------------------------------------------------------------- the generator

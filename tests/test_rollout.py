@@ -192,40 +192,46 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_logit():
 TIED = torch.tensor([2.0, 0.5, 1.0, 1.0, -1.0, 3.0, 0.0, 1.0, -2.0, 0.25, 0.9, 1.5])  # 1.0 at ids 2, 3 and 7
 
 
-def _tied_draws(k: int, p: float, B: int = 60000, rank: int = 0, group=None):
+def _tied_draws(k: int, p: float, B: int = 60000, rank: int = 0, group=None, device="cpu", dtype=torch.float32):
     import rollout
-    keys = torch.tensor([rollout.sample_key(9, i, 0) for i in range(B)])
+    keys = torch.tensor([rollout.sample_key(9, i, 0) for i in range(B)], device=device)
     V = len(TIED) // (1 if group is None else 2)  # at tp=2 each rank holds 6 ids: ties 2, 3 on rank 0, 7 on rank 1
-    return rollout.sample_top_k_top_p(TIED[rank * V:(rank + 1) * V].repeat(B, 1), keys, torch.full((B,), 5), 1.0,
-                                      k, p, group, vocab_start=rank * V)
+    tok, lp = rollout.sample_top_k_top_p(TIED[rank * V:(rank + 1) * V].to(device, dtype).repeat(B, 1), keys,
+                                         torch.full((B,), 5, device=device), 1.0, k, p, group, vocab_start=rank * V)
+    return tok.cpu(), lp.cpu()
 
 
-def test_top_k_top_p_keeps_the_ties_as_transformers():
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16), pytest.param(
+    "cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_top_k_top_p_keeps_the_ties_as_transformers(device, dtype):
     """With top_p too, every token tied with the k-th largest is in the top-k (it used to be cut where torch.topk
     cut it) and the nucleus counts them all: the draw frequencies of each logit value match transformers'
     TopKLogitsWarper + TopPLogitsWarper. Which of the ties a partial nucleus keeps is an order among equal logits
-    (transformers' is its sort's, ours the ids'), so values are compared, and how many of each are drawn."""
+    (transformers' is its sort's); ours spreads the kept share of their mass evenly over them. top_k 0: top-p alone,
+    whose nucleus ends among the ties at p = 0.75 (2 of 3 in). bf16: the nucleus' bisection runs over 16-bit keys."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-    for k, p in ((4, 0.95), (4, 0.85), (5, 0.9), (6, 0.99), (3, 0.9), (12, 0.5)):
-        tok, lp = _tied_draws(k, p)
+    row = TIED.to(dtype).float()
+    for k, p in ((4, 0.95), (4, 0.85), (5, 0.9), (6, 0.99), (3, 0.9), (12, 0.5), (0, 0.75), (0, 0.9), (0, 0.3)):
+        tok, lp = _tied_draws(k, p, device=device, dtype=dtype)  # on CUDA the draws are the Triton sampler's
         freq = torch.bincount(tok, minlength=len(TIED)).float() / len(tok)
-        ref = torch.softmax(TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, TIED[None].clone())), -1)[0]
-        for v in TIED.unique():
-            at = TIED == v
+        ref = TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, row[None].clone()) if k else row[None].clone())
+        ref = torch.softmax(ref, -1)[0]
+        for v in row.unique():
+            at = row == v
             assert abs(freq[at].sum() - ref[at].sum()) < 0.01, (k, p, v)
-            assert (freq[at] > 0).sum() == (ref[at] > 0).sum(), (k, p, v)
-        assert torch.allclose(lp, torch.log_softmax(TIED, -1)[tok])  # the unfiltered softmax's log-prob
+            assert torch.allclose(freq[at], ref[at].sum() / at.sum(), atol=0.005), (k, p, v)  # (each id's own)
+        assert torch.allclose(lp, torch.log_softmax(row, -1)[tok])  # the unfiltered softmax's log-prob
 
 
 def _tied_tp_body(rank, world):
     import torch.distributed as dist
-    return [_tied_draws(k, p, 2000, rank, dist.group.WORLD) for k, p in ((4, 0.95), (4, 0.85), (5, 0.9))]
+    return [_tied_draws(k, p, 2000, rank, dist.group.WORLD) for k, p in ((4, 0.95), (4, 0.85), (5, 0.9), (0, 0.75))]
 
 
 def test_top_k_top_p_ties_across_tensor_parallel_ranks():
     """The ties counted over the ranks, in id order across them: tp=2 draws what one process draws."""
     r0, r1 = helpers.run_distributed(_tied_tp_body, 2)
-    for (k, p), (t0, lp0), (t1, _) in zip(((4, 0.95), (4, 0.85), (5, 0.9)), r0, r1):
+    for (k, p), (t0, lp0), (t1, _) in zip(((4, 0.95), (4, 0.85), (5, 0.9), (0, 0.75)), r0, r1):
         one, lp = _tied_draws(k, p, 2000)
         assert torch.equal(t0, one) and torch.equal(t1, one) and torch.allclose(lp0, lp), (k, p)
 
@@ -411,7 +417,8 @@ def _tp_body(rank, world, path, prompts):
     runs = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)),
             gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4)),
             gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9)),
-            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=6, top_k=5))]
+            gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=6, top_k=5)),
+            gen.generate(prompts, SamplingParams(temperature=0.8, n=2, max_new_tokens=6, seed=7, top_p=0.8))]
     return [(tokens(r), [c.logprobs for c in r]) for r in runs]
 
 
@@ -422,7 +429,8 @@ def test_tensor_parallel_generation(ckpt, model):
     single = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)),
               gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=4)),
               gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=5, top_k=5, top_p=0.9)),
-              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=6, top_k=5))]
+              gen.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=6, top_k=5)),
+              gen.generate(prompts, SamplingParams(temperature=0.8, n=2, max_new_tokens=6, seed=7, top_p=0.8))]
     for (t0, lp0), (t1, lp1), one in zip(r0, r1, single):
         assert t0 == t1 and lp0 == lp1  # both ranks agree exactly
         # and match one process: the draws do not depend on tp (barring fp32 rounding at a boundary)
@@ -448,7 +456,9 @@ def test_cuda_graphs_match_eager_and_free_releases_memory(ckpt):
         gen = Generator(model, max_rows=4, sync_every=5, use_cuda_graphs=graphs)
         outs[graphs] = [gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=30)),
                         gen.generate(prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=20, seed=1)),
-                        gen.generate(prompts, SamplingParams(temperature=0.7, n=2, max_new_tokens=20, top_k=8))]
+                        gen.generate(prompts, SamplingParams(temperature=0.7, n=2, max_new_tokens=20, top_k=8)),
+                        gen.generate(prompts, SamplingParams(temperature=0.9, n=2, max_new_tokens=20, top_k=8,
+                                                             top_p=0.8))]
         assert (gen.stats["graphs_captured"] > 0) == graphs
         gen.free()
         assert torch.cuda.memory_allocated() == base
@@ -542,14 +552,15 @@ def test_decode_attention_kernel_addresses_rows_past_2_31_elements():
 
 
 @cuda
-@pytest.mark.parametrize("temperature,vocab_start,limit,top_k", [(0.0, 0, None, 0), (1.0, 0, None, 0),
-                                                                   (0.7, 5000, 4000, 0), (1.0, 0, None, 40),
-                                                                   (0.7, 5000, 4000, 700), (1e-3, 0, 4000, 0),
-                                                                   (1e-3, 0, 4000, 40)])
-def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit, top_k):
+@pytest.mark.parametrize("temperature,vocab_start,limit,top_k,ties", [
+    (0.0, 0, None, 0, False), (1.0, 0, None, 0, False), (0.7, 5000, 4000, 0, False), (1.0, 0, None, 40, False),
+    (0.7, 5000, 4000, 700, False), (1e-3, 0, 4000, 0, False), (1e-3, 0, 4000, 40, False), (1.0, 0, None, 40, True),
+    (0.7, 5000, 4000, 700, True)])
+def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit, top_k, ties):
     """On GPU the sampler's per-slice reduction is a Triton kernel over vocabulary chunks, in uint32
     arithmetic: the same hashes, so the same tokens as the int64 torch reference (with a top-k floor too). At a low
-    temperature with ids past the limit above the allowed ones, the draw took token 0 of the chunk."""
+    temperature with ids past the limit above the allowed ones, the draw took token 0 of the chunk. top-p weighs the
+    tokens tied with the floor (ties)."""
     import rollout
     if not rollout.TRITON:
         pytest.skip("needs triton")
@@ -560,12 +571,34 @@ def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit, 
     keys = torch.tensor([rollout.sample_key(9, i, 3) for i in range(64)], device="cuda")
     pos = torch.arange(64, device="cuda") + 11
     floor = rollout.top_k_floor(logits, top_k, None, limit) if top_k else None
-    want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit, floor)
-    got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, floor, chunk=1024)
+    w = torch.rand(64, device="cuda") * 0.9 + 0.05 if ties else None
+    want = rollout._sample_stats(logits, keys, pos, temperature, vocab_start, limit, floor, w)
+    got = rollout._sample_stats_gpu(logits, keys, pos, temperature, vocab_start, limit, floor, w, chunk=1024)
     assert torch.equal(got[:, 1], want[:, 1]) and ((got - want).abs() <= 1e-3 + 1e-6 * want.abs()).all()
     if floor is not None:  # the floor bit: every token drawn is at or above it, and not all are the argmax
         picked = logits.gather(1, got[:, 1:2].long() - vocab_start)[:, 0]
         assert (picked >= floor).all() and (got[:, 1].long() != logits.argmax(-1) + vocab_start).any()
+
+
+@cuda
+@pytest.mark.parametrize("top_k,limit", [(0, 5000), (700, 4000)])
+def test_cut_stats_kernel_matches_the_reference(top_k, limit):
+    """top-p's bisection counts and sums the allowed tokens above a cut per row and step; on GPU a Triton kernel
+    over parts of the row (1024 ids a part here), each with its running max, then combined."""
+    import rollout
+    if not rollout.TRITON:
+        pytest.skip("needs triton")
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 5000) * 3).bfloat16().cuda()
+    floor = (rollout.top_k_floor(logits, top_k, None, limit) if top_k
+             else torch.full((64,), float("-inf"), device="cuda").bfloat16())
+    cut = logits.gather(1, torch.randint(0, 4000, (64, 1), device="cuda"))[:, 0]  # present values: ties counted
+    got = rollout._combine_cut_stats(rollout._cut_stats(logits, cut, floor, 1 / 0.7, limit, None, split=1024)).cpu()
+    want = rollout._combine_cut_stats(rollout._cut_stats_ref(logits.cpu(), cut.cpu(), floor.cpu(), 1 / 0.7, limit))
+    mass = lambda st: torch.stack([st[:, 0] + st[:, 1].log(), st[:, 2] / st[:, 1]], -1)  # noqa: E731
+    assert torch.allclose(mass(got), mass(want), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[:, 3], want[:, 3]) and (want[:, 3] > 0).any()
+    assert ((want[:, 2] / want[:, 1]) > 0.01).any() and ((want[:, 2] / want[:, 1]) < 0.99).any()
 
 
 @cuda
