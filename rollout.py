@@ -330,11 +330,11 @@ def _cut_stats(logits, cut, floor, inv_temperature: float, limit: int, group, sp
 
 
 def _combine_cut_stats(st: torch.Tensor) -> torch.Tensor:
-    """[B, parts, 4] -> [B, 4]: the parts' sums rescaled to the largest max (a part with no allowed id has max -inf
-    and weighs 0)."""
+    """[B, parts, 4] -> [B, 4]: the parts' sums rescaled to the largest max (a part with no allowed id, or only -inf
+    logits, has max -inf, NaN sums, and weighs 0)."""
     m = st[..., 0].amax(-1, keepdim=True)
-    w = torch.exp(st[..., 0] - m).nan_to_num(0.0)
-    return torch.cat([m, (st[..., 1:3] * w[..., None]).sum(1), st[..., 3:].sum(1)], -1)
+    w = torch.exp(st[..., 0] - m).nan_to_num(0.0)[..., None]
+    return torch.cat([m, torch.where(w > 0, st[..., 1:3] * w, 0.0).sum(1), st[..., 3:].sum(1)], -1)
 
 
 def _flip(bits: torch.Tensor, width: int) -> torch.Tensor:
@@ -354,7 +354,7 @@ def _from_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _narrow(lo, hi, parts, top_p: float, dtype: torch.dtype):
     """One bisection step at the midpoint key, given its _cut_stats; returns (lo, hi) and the next midpoint's value."""
     st, mid = _combine_cut_stats(parts), (lo + hi) // 2
-    ok = st[:, 2] < top_p * st[:, 1]  # P(mid): the tokens above it hold < top_p of the mass
+    ok = (st[:, 2] < top_p * st[:, 1]) | (st[:, 2] == 0)  # P(mid): those above hold < top_p (none: a tiny top_p)
     lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
     return lo, hi, _from_key((lo + hi) // 2, dtype)
 
@@ -381,6 +381,7 @@ def sample_top_k_top_p(logits: torch.Tensor, keys: torch.Tensor, positions: torc
     bisection, no sort). The fused sampler draws from the tokens at or above it, those tied with it weighted by the
     share of them the nucleus keeps, so spread evenly over them (transformers keeps the ones its sort puts first, an
     order that equal logits do not have)."""
+    logits = logits.float() if logits.dtype == torch.float64 else logits  # (the bisection reads 16- or 32-bit keys)
     B, V = logits.shape
     limit, inv_t = V if limit is None else limit, 1.0 / temperature
     floor = (top_k_floor(logits, top_k, group, limit) if top_k > 0

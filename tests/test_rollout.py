@@ -236,6 +236,38 @@ def test_top_k_top_p_ties_across_tensor_parallel_ranks():
         assert torch.equal(t0, one) and torch.equal(t1, one) and torch.allclose(lp0, lp), (k, p)
 
 
+NEG = torch.tensor([float("-inf")] * 4 + [1.0, 2.0, 0.5, 0.0])  # top_p 0.9 keeps ids 5, 4, 6 (0.58, 0.21, 0.13)
+
+
+def _neg_draws(rank=0, group=None, B=2000):
+    import rollout
+    keys = torch.tensor([rollout.sample_key(9, i, 0) for i in range(B)])
+    V = len(NEG) // (1 if group is None else 2)
+    return rollout.sample_top_k_top_p(NEG[rank * V:(rank + 1) * V].repeat(B, 1), keys, torch.full((B,), 5), 1.0, 0,
+                                      0.9, group, vocab_start=rank * V)
+
+
+def _neg_tp_body(rank, world):
+    import torch.distributed as dist
+    return _neg_draws(rank, dist.group.WORLD)
+
+
+def test_top_p_edge_cases():
+    """A rank (or a kernel part) whose logits are all -inf weighs nothing (its NaN sums used to poison the nucleus:
+    every draw was id 0); a top_p so small that top_p x the mass underflows keeps the argmax; fp64 logits are read
+    as fp32."""
+    import rollout
+    tok, lp = _neg_draws()
+    assert set(tok.tolist()) == {4, 5, 6} and torch.allclose(lp, torch.log_softmax(NEG, -1)[tok])
+    for t, l in helpers.run_distributed(_neg_tp_body, 2):
+        assert torch.equal(t, tok) and torch.allclose(l, lp)
+    row, keys, pos = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 8), torch.arange(8), torch.full((8,), 3)
+    assert rollout.sample_top_k_top_p(row, keys, pos, 1.0, 0, 1e-300, None)[0].tolist() == [1] * 8
+    a, b = (rollout.sample_top_k_top_p(row.to(dt), keys, pos, 1.0, 2, 0.9, None) for dt in (torch.float32,
+                                                                                           torch.float64))
+    assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1].float())
+
+
 def test_vocab_size_limits_the_draw_not_the_softmax(model):
     prompt = rand_prompts((5,), seed=7)[0]
     comps = Generator(model, max_rows=512, vocab_size=128).generate(
