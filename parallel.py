@@ -137,7 +137,9 @@ def group_rank(group) -> int:
 def make_layout(tp: int = 1, pp: int = 1) -> Layout:
     """Build the training layout from torchrun's environment (or one process when not distributed)."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
+    if tp < 1 or pp < 1:
+        raise ValueError(f"parallel.train: tp={tp} and pp={pp} must both be >= 1")
+    if world % (tp * pp) != 0:
         raise ValueError(f"parallel.train: world size {world} is not divisible by tp*pp = {tp}*{pp}; "
                          f"valid (tp, pp) have tp*pp dividing {world}")
     dp = world // (tp * pp)
@@ -166,9 +168,12 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
     fits = lambda key, t: need[key] % t == 0 or key == "num_key_value_heads" and t % need[key] == 0  # noqa: E731
     valid = [t for t in range(1, world_size + 1)
              if world_size % (t * max(pp, 1)) == 0 and all(fits(k, t) for k in need)]
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
-        raise ValueError(f"{name}: world size {world_size} is not divisible by tp*pp = {tp}*{pp}; valid tp "
-                         f"sizes for this model with pp={pp}: {valid}")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"{name}: tp={tp} and pp={pp} must both be >= 1")
+    if world_size % (tp * pp) != 0:
+        hint = (f"valid tp sizes for this model with pp={pp}: {valid}" if world_size % pp == 0 else  # pp's fault
+                f"valid pp sizes with tp={tp}: {[p for p in range(1, world_size + 1) if world_size % (tp * p) == 0]}")
+        raise ValueError(f"{name}: world size {world_size} is not divisible by tp*pp = {tp}*{pp}; {hint}")
     for key, n in need.items():
         if not fits(key, tp):
             how = ", nor is tp a multiple of it (KV heads replicated)" if key == "num_key_value_heads" else ""
@@ -204,6 +209,11 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def world_all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """all_reduce over every rank (a no-op in a single process)."""
     return all_reduce(x, dist.group.WORLD if dist.is_initialized() else None, op)
+
+
+def world_barrier() -> None:
+    if dist.is_initialized():  # (a no-op in a single process)
+        dist.barrier()
 
 
 def all_gather_objects(obj) -> list:
@@ -342,7 +352,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int, layout: Layout, dtype=None, device=None, padding_idx=None):
         super().__init__()
-        self.group, n = layout.tp_group, vocab_size // layout.tp
+        self.group, n, self.vocab_size = layout.tp_group, vocab_size // layout.tp, vocab_size
         self.start, self.end = layout.tp_rank * n, (layout.tp_rank + 1) * n
         self.weight = _param((n, dim), 0, [vocab_size], dtype, device)
         self.pad = None if padding_idx is None or not self.start <= padding_idx < self.end else padding_idx - self.start
@@ -350,6 +360,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return F.embedding(ids, self.weight, self.pad)
+        if not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a graph's ids: the sampler's own)
+            # an id that no rank holds would embed as zeros, silently
+            torch._assert_async(((ids >= 0) & (ids < self.vocab_size)).all(), f"ids must be in [0, {self.vocab_size})")
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         return reduce_from_tp(F.embedding(local, self.weight, self.pad).masked_fill(outside.unsqueeze(-1), 0.0),

@@ -84,9 +84,10 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
 
 
 def validate_generation_layout(cfg: ModelConfig, world: int, tp: int, pp: int, tp_g: int, name: str) -> None:
-    """Fail before anything is built when the generation tp does not fit the model or the training layout."""
-    validate_layout(cfg, tp_g, 1, world, name=name)
+    """Fail before anything is built when the generation tp does not fit the training layout or the model (in that
+    order: the layout's message lists the sizes it allows)."""
     generation_groups(world, tp, pp, tp_g)
+    validate_layout(cfg, tp_g, 1, world, name=name)
 
 
 def generation_layout(train: Layout, tp_g: int) -> tuple[Layout, object, list[int]]:
@@ -177,7 +178,7 @@ class Resharder:
     def __init__(self, model: Transformer, layout: Layout, tp_g: int, offload_optimizers=(), seed: int = 0,
                  bucket_bytes: int = 1 << 30):
         self.model, self.layout, self.optimizers = model, layout, list(offload_optimizers)
-        validate_layout(model.cfg, tp_g, 1, layout.world_size, name=f"rollout tp={tp_g}")  # the layout: just below
+        validate_generation_layout(model.cfg, layout.world_size, layout.tp, layout.pp, tp_g, f"rollout tp={tp_g}")
         self.gen_layout, self.group, self.micro_ranks = generation_layout(layout, tp_g)
         self.me, self.k, self.n = self.micro_ranks.index(layout.rank), *_split(layout.tp, tp_g)
         self.c_me = layout.tp_rank % self.k  # this rank's block in a merge; a narrowing rank keeps slice dp_rank % n
@@ -188,12 +189,12 @@ class Resharder:
         self.dtype, self.device = dtypes.pop(), next(model.parameters()).device
         self.stats = dict(gen_bytes=0, buckets=0, max_bucket_bytes=0, pad_bytes=0, recv_bytes=0, released_bytes=0,
                           peak_extra_bytes=0, steady_extra_bytes=0)
-        if tp_g == layout.tp and layout.pp == 1:  # the training model is the generation model: nothing to move
-            self.gen_model, self.chunks = model, []
-            return
         ok = torch.tensor([float(model.lm_head is not None or not layout.is_last_stage)], device=self.device)
         if world_all_reduce(ok, dist.ReduceOp.MIN).item() != 1.0:
             raise ValueError("Resharder: the model has no LM head (a critic?); only the actor is resharded")
+        if tp_g == layout.tp and layout.pp == 1:  # the training model is the generation model: nothing to move
+            self.gen_model, self.chunks = model, []
+            return
         self.gen_model = Transformer(model.cfg, self.gen_layout, self.dtype, device="meta").requires_grad_(False)
         self.gen_model.inv_freq, self.gen_model.attn_backend = model.inv_freq, model.attn_backend
         self._meta = dict(self.gen_model.named_parameters())
@@ -227,22 +228,25 @@ class Resharder:
 
     @contextmanager
     def generation(self):
-        t0 = time.perf_counter()
-        for opt in self.optimizers:  # their device memory goes to the KV cache while generating
-            opt.offload()
-        self._swap_rng(to_generation=True)
+        t0, offloaded, swapped = time.perf_counter(), [], False
         try:
+            for opt in self.optimizers:  # their device memory goes to the KV cache while generating
+                opt.offload()
+                offloaded.append(opt)  # (if the next one fails, these come back below)
+            self._swap_rng(to_generation=True)
+            swapped = True
             self._gather()
             torch.get_device_module(self.device).synchronize(self.device)
             self.stats["enter_s"] = time.perf_counter() - t0
             yield self.gen_model
-        finally:  # also after a failure in the gather or the block: the training state comes back, then the error
-            t1 = time.perf_counter()
+        finally:  # also after a failure in an offload, the gather or the block: the training state comes back, then
+            t1 = time.perf_counter()  # the error
             try:
                 self._release()
             finally:
-                self._swap_rng(to_generation=False)
-                for opt in self.optimizers:
+                if swapped:
+                    self._swap_rng(to_generation=False)
+                for opt in offloaded:
                     opt.reload()
             torch.get_device_module(self.device).synchronize(self.device)
             self.stats["exit_s"] = time.perf_counter() - t1

@@ -486,6 +486,11 @@ def test_invalid_layouts_fail_early(tmp_path):
         validate_layout(cfg, 8, 1, 8)
     with pytest.raises(ValueError, match="pp=5 exceeds num_hidden_layers=4"):
         validate_layout(cfg, 1, 5, 5)
+    with pytest.raises(ValueError, match=r"tp\*pp = 1\*3; valid pp sizes with tp=1: \[1, 2, 4\]"):  # pp's fault
+        validate_layout(cfg, 1, 3, 4)
+    for tp, pp in ((1, 0), (0, 1)):
+        with pytest.raises(ValueError, match=f"tp={tp} and pp={pp} must both be >= 1"):
+            validate_layout(cfg, tp, pp, 4)
     with pytest.raises(ValueError, match="world size 1 is not divisible by tp\\*pp = 2\\*1"):
         make_layout(2, 1)
     validate_layout(cfg, 2, 2, 8)  # a valid one passes
@@ -629,6 +634,28 @@ def test_row_parallel_linear_with_bias_matches_a_dense_linear():
         torch.testing.assert_close(res["gx"], xr.grad.chunk(2, dim=-1)[r])
         torch.testing.assert_close(res["gw"], wr.grad.chunk(2, dim=1)[r])
         torch.testing.assert_close(res["gb"], br.grad)
+
+
+def _embedding_body(rank, world, w):
+    from parallel import VocabParallelEmbedding
+    emb = VocabParallelEmbedding(8, 3, make_layout(tp=2))
+    with torch.no_grad():
+        emb.weight.copy_(w.chunk(2)[rank])
+    errors = []
+    for bad in (8, -1):  # held by no rank: every rank's lookup gives zeros
+        with pytest.raises(RuntimeError, match=r"ids must be in \[0, 8\)") as e:
+            emb(torch.tensor([1, bad]))
+        errors.append(str(e.value))
+    return emb(torch.tensor([1, 5, 7, 0])), errors
+
+
+def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary():
+    """At tp=2 an id past the vocabulary used to embed as a zero vector (one process raises IndexError); the ids
+    inside it give the whole table's rows."""
+    w = torch.randn(8, 3)
+    for y, errors in helpers.run_distributed(_embedding_body, 2, w):
+        torch.testing.assert_close(y, w[[1, 5, 7, 0]])
+        assert len(errors) == 2
 
 
 def test_sharded_adamw_follows_torch_adamw_through_checkpoints_skips_and_offload(tmp_path):

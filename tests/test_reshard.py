@@ -444,6 +444,37 @@ def test_failure_restores_the_training_state_and_raises_the_original_error(tmp_p
     helpers.run_distributed(_failure_body, 2, helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False))
 
 
+def test_a_failed_offload_brings_back_the_optimizers_offloaded_before_it(tmp_path):
+    """The second optimizer's offload fails as generation begins: the first one, offloaded already, is reloaded (it
+    used to stay on the host with empty device storage, and the next zero_grad crashed the process), the training
+    RNG stream is untouched, and the offload's own error is the one raised."""
+    class FailingOffload:
+        def offload(self):
+            raise MemoryError("pinned host memory (simulated)")
+
+        def reload(self):
+            raise AssertionError("never offloaded: not to be reloaded")
+    model = load_model(helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False))
+    opt = ShardedAdamW(model, Layout())
+    before = [t.clone() for t in opt._state()]
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    with pytest.raises(MemoryError, match="simulated"):
+        with Resharder(model, Layout(), 1, offload_optimizers=[opt, FailingOffload()]).generation():
+            pass
+    opt.zero_grad()  # (reload()'s copies back are made here)
+    assert all(torch.equal(a, b) for a, b in zip(opt._state(), before)) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_critic_is_refused_in_every_layout(tmp_path):
+    """Resharding is the actor's: a model without an LM head is refused even where nothing moves (tp_g == tp, pp 1),
+    not later by the Generator with a message about pp."""
+    critic = load_model(helpers.make_checkpoint(str(tmp_path), "llama", with_tokenizer=False), value_head=True,
+                        lm_head=False)
+    with pytest.raises(ValueError, match="no LM head"):
+        Resharder(critic, Layout(), 1)
+
+
 def test_load_into_errors(tmp_path):
     ckpt = helpers.make_checkpoint(str(tmp_path / "hf"), "llama", with_tokenizer=False)
     with pytest.raises(FileNotFoundError, match="no meta.json"):
