@@ -16,9 +16,8 @@ One step
    sampling: groups whose n responses all score the same carry no signal for a group-relative advantage, so they are
    dropped and more prompts drawn until the batch is full.
 3. **Recompute**, in packed micro-batches in the training layout: log-probs under the actor (pi_old; they differ
-   slightly from the generator's, see training/rollout_probs_diff_*; with `algorithm.rollout_is.bypass_mode` the
-   generator's stand in for them, one forward pass less) and under the reference policy (for a KL term), and the
-   critic's values.
+   slightly from the generator's, see training/rollout_probs_diff_*; `algorithm.rollout_is.bypass_mode` uses the
+   generator's instead, one forward pass less), under the reference policy (for a KL term), and the critic's values.
 4. **Advantages** (algorithms.py): GAE with the critic's values (PPO), or outcome-based group baselines (GRPO, RLOO,
    REINFORCE++).
 5. **Update.** `actor.ppo_epochs` passes over mini-batches of `actor.ppo_mini_batch_size` prompts, one optimizer step
@@ -57,7 +56,7 @@ import algorithms as alg
 from data import TRUNCATIONS, PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
 from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipeline_forward_backward,
-                      shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce)
+                      shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce, world_barrier)
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
 from rewards import check_sources, load_reward_fn, score_batch
@@ -135,7 +134,9 @@ class RolloutConfig:
     kv_cache_tokens: int = 0            # 0: size from gpu_memory_fraction (CPU: rows x max length)
     gpu_memory_fraction: float = 0.5
     use_cuda_graphs: bool = True
-    val_temperature: float = 0.0        # 0: greedy validation (no top-p/top-k there, as verl's val_kwargs)
+    val_temperature: float = 0.0        # 0: greedy validation (val_top_p, val_top_k unused), as verl's val_kwargs
+    val_top_p: float = 1.0
+    val_top_k: int = -1
     val_n: int = 1
 
 
@@ -240,12 +241,13 @@ AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "da
                              "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
                              "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
                              "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
-            "trainer.seed": 0,
+            "rollout.val_top_k": -1, "trainer.seed": 0,
             **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
                              "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
-ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.gpu_memory_fraction": 0, "actor.clip_ratio_c": 1,
-         "algorithm.kl_ctrl.target_kl": 0, "algorithm.rollout_is.threshold": 0, "trainer.peak_tflops": 0}
-AT_MOST = {"rollout.top_p": 1, "rollout.gpu_memory_fraction": 1}
+ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.val_top_p": 0, "rollout.gpu_memory_fraction": 0,
+         "actor.clip_ratio_c": 1, "algorithm.kl_ctrl.target_kl": 0, "algorithm.rollout_is.threshold": 0,
+         "trainer.peak_tflops": 0}
+AT_MOST = {"rollout.top_p": 1, "rollout.val_top_p": 1, "rollout.gpu_memory_fraction": 1}
 CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32"),
            "actor.loss_agg_mode": alg.LOSS_AGG_MODES, "critic.loss_agg_mode": alg.LOSS_AGG_MODES,
            "actor.policy_loss_mode": alg.POLICY_LOSS_MODES, "actor.kl_loss_type": alg.KL_PENALTIES,
@@ -326,6 +328,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if (ob := cfg.algorithm.overlong_buffer).enable and not 0 < ob.len <= d.max_response_length:
         raise ValueError(f"{src('algorithm.overlong_buffer', 'data.max_response_length')}: algorithm.overlong_buffer"
                          f".len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
+    if 0 < (kv := cfg.rollout.kv_cache_tokens) < (L := d.max_prompt_length + d.max_response_length):
+        raise ValueError(f"{src('rollout.kv_cache_tokens')}: rollout.kv_cache_tokens={kv} < data.max_prompt_length + "
+                         f"max_response_length = {L}: the cache cannot hold one sequence")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{src('data.train_batch_size', 'actor.ppo_mini_batch_size')}: data.train_batch_size="
                          f"{d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
@@ -351,11 +356,6 @@ class Role:  # a model in the training layout and its sharded optimizer (None fo
 
 def sum_dicts(dicts: list[dict]) -> dict[str, float]:  # keys in first-seen order
     return {k: sum(float(d[k]) for d in dicts if k in d) for k in dict.fromkeys(k for d in dicts for k in d)}
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 @contextlib.contextmanager
@@ -518,7 +518,7 @@ class Trainer:
     # --- generation
     def generate(self, items: list[dict], seed: int, val: bool = False) -> Batch:
         ro, R = self.cfg.rollout, self.cfg.data.max_response_length
-        n, t, p, k = (ro.val_n, ro.val_temperature, 1.0, -1) if val else (ro.n, ro.temperature, ro.top_p, ro.top_k)
+        n, t, p, k = (getattr(ro, ("val_" if val else "") + key) for key in ("n", "temperature", "top_p", "top_k"))
         with self.resharder.generation() as gen_model:
             mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
             params = SamplingParams(n=n, temperature=t, top_p=p, top_k=k, max_new_tokens=R)
@@ -730,7 +730,7 @@ class Trainer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "critic") if self.critic is not None else tmp)
-        barrier()
+        world_barrier()
         # weights and Adam state as whole-over-DP shards, so any layout reads them; every DP rank holds them
         # after full_state's gather, so the files go round-robin over the DP ranks, which write in parallel
         files = [(role, d, name) for role, d in self._role_dirs(tmp) for name in ("model", *ShardedAdamW.STATES)]
@@ -744,7 +744,7 @@ class Trainer:
                  "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                          **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}}
         torch.save(state, os.path.join(tmp, f"state_{shard_name(lay, with_dp=True)}.pt"))
-        barrier()
+        world_barrier()
         if self.rank == 0:
             for role, d in self._role_dirs(tmp):
                 meta = {"step": self.step, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model_config": role.model.cfg.raw}
@@ -760,7 +760,7 @@ class Trainer:
             keep, done = self.cfg.trainer.keep_last_k, [s for s in _saved_steps(root) if s <= self.step]
             for s in done[:-keep] if keep > 0 else []:  # (a later one: a crashed run's, unpublished, to be redone)
                 shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
-        barrier()
+        world_barrier()
 
     def _role_dirs(self, root: str) -> list:
         return [(self.actor, root)] + ([(self.critic, os.path.join(root, "critic"))] if self.critic is not None else [])

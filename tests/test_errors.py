@@ -358,6 +358,12 @@ CASES = [
          r"override 'rollout\.top_k=-5': rollout\.top_k=-5 must be >= -1"),
     Case("config-negative-val-temperature", "rollout.val_temperature=-1", _cfg("rollout.val_temperature=-1"),
          ValueError, r"override 'rollout\.val_temperature=-1': rollout\.val_temperature=-1\.0 must be >= 0"),
+    Case("config-zero-val-top-p", "rollout.val_top_p=0", _cfg("rollout.val_top_p=0"), ValueError,
+         r"override 'rollout\.val_top_p=0': rollout\.val_top_p=0\.0 must be > 0"),
+    Case("config-kv-cache-under-one-sequence", "rollout.kv_cache_tokens=100 (found at the first generation, before)",
+         _cfg("rollout.kv_cache_tokens=100", "data.max_prompt_length=64", "data.max_response_length=64"), ValueError,
+         r"override 'rollout\.kv_cache_tokens=100': rollout\.kv_cache_tokens=100 < data\.max_prompt_length \+ "
+         r"max_response_length = 128: the cache cannot hold one sequence"),
     Case("config-negative-seed", "trainer.seed=-1 (numpy's message, naming no key, before)", _cfg("trainer.seed=-1"),
          ValueError, r"override 'trainer\.seed=-1': trainer\.seed=-1 must be >= 0"),
     Case("config-top-p-above-one", "rollout.top_p=1.5 (failed only at the first generation before)",

@@ -820,6 +820,19 @@ def test_validation_batches_draw_fresh_noise(small_synth, tmp_path):
     assert len({r["response"] for r in _val_records(str(tmp_path))}) > 1
 
 
+def test_validation_samples_with_val_top_p_and_val_top_k(small_synth, tmp_path):
+    """val_top_p and val_top_k reach the validation generator (and only it): at val_temperature 1, a nucleus of
+    mass 1e-6 or a top-1 keeps the argmax alone, so validation repeats the greedy one; plain sampling does not."""
+    texts = {}
+    for name, ov in (("greedy", ()), ("top_p", ("rollout.val_temperature=1.0", "rollout.val_top_p=1e-6")),
+                     ("top_k", ("rollout.val_temperature=1.0", "rollout.val_top_k=1")),
+                     ("sampled", ("rollout.val_temperature=1.0",))):
+        t = trainer(small_synth, tmp_path / name, "data.val_max_samples=6", "rollout.top_p=1e-6", *ov)
+        t.validate()
+        texts[name] = [r["response"] for r in _val_records(str(tmp_path / name))]
+    assert texts["top_p"] == texts["greedy"] == texts["top_k"] != texts["sampled"]
+
+
 def test_validation_averages_by_data_source_and_names_val_n(small_synth, tmp_path):
     """Two data sources (even / odd positions), scores by hand (position / 10), val_n=2, batches of 3: means of
     a = (0+0+2+2+4+4+6+6)/80 and b = (1+1+3+3+5+5+7+7)/80, named mean@2."""
