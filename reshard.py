@@ -239,8 +239,8 @@ class Resharder:
             torch.get_device_module(self.device).synchronize(self.device)
             self.stats["enter_s"] = time.perf_counter() - t0
             yield self.gen_model
-        finally:  # also after a failure in an offload, the gather or the block: the training state comes back, then
-            t1 = time.perf_counter()  # the error
+        finally:  # on a failure too (an offload, the gather, the block): the training state back, the error re-raised
+            t1 = time.perf_counter()
             try:
                 self._release()
             finally:
