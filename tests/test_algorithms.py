@@ -357,11 +357,12 @@ def test_ppo_loss_vs_loop_with_gradient():
     old = torch.randn(m.shape, generator=g) * 0.1 - 1
     logp = (old + torch.randn(m.shape, generator=g) * 0.6).requires_grad_()
     adv = torch.randn(m.shape, generator=g)
-    isw = torch.rand(m.shape, generator=g) + 0.5
+    isw = (torch.rand(m.shape, generator=g) + 0.5).requires_grad_()  # a constant of the loss: no gradient reaches it
     N = m.sum().item()
     loss, metrics = A.compute_policy_loss(old, logp, adv, m, N, clip_ratio_low=0.2, clip_ratio_high=0.28,
                                           clip_ratio_c=2.0, rollout_is_weights=isw)
-    (grad,) = torch.autograd.grad(loss, logp)
+    grad, isw_grad = torch.autograd.grad(loss, [logp, isw], allow_unused=True)
+    assert isw_grad is None
     tot = [0.0, 0.0, 0.0, 0.0]
     ref_grad = torch.zeros_like(old)
     for i, t in m.nonzero().tolist():

@@ -567,6 +567,9 @@ def test_export_copies_the_tokenizer_and_writes_a_complete_index(tmp_path):
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1
+    for f in files:  # each within --max-shard-gb, unless it is one tensor larger than that
+        part = load_file(os.path.join(out, f))
+        assert len(part) == 1 or sum(v.numel() * v.element_size() for v in part.values()) <= 100e3, f
     tensors = {k: v for f in files for k, v in load_file(os.path.join(out, f)).items()}
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in tensors.values())
     config = json.load(open(os.path.join(out, "config.json")))

@@ -56,6 +56,8 @@ def test_gsm8k_format_score():
 # --------------------------------------------------------------------------- MATH
 
 MATH_EQUIV = [
+    ("a+b=5", "5", False),  # only a short left side (x = 5) is dropped, as verl's _strip_string
+    ("0.33333333333333333", "\\frac{1}{3}", False),  # compared as exact rationals, not floats
     ("\\dfrac{1}{2}", "\\frac{1}{2}", True),
     ("\\tfrac12", "\\frac{1}{2}", True),
     ("\\frac12", "\\frac{1}{2}", True),

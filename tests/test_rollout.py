@@ -261,6 +261,13 @@ def test_top_p_edge_cases():
     assert set(tok.tolist()) == {4, 5, 6} and torch.allclose(lp, torch.log_softmax(NEG, -1)[tok])
     for t, l in helpers.run_distributed(_neg_tp_body, 2):
         assert torch.equal(t, tok) and torch.allclose(l, lp)
+    from transformers.generation.logits_process import TopPLogitsWarper
+    for probs, p, want in (([0.5, 0.25, 0.25], 0.5, {0}), ([0.5, 0.25, 0.125, 0.125], 0.75, {0, 1})):
+        row = torch.tensor(probs).log()  # the mass above a token exactly top_p (exact in fp32): that token is out
+        keep = set(TopPLogitsWarper(p)(None, row[None].clone())[0].isfinite().nonzero()[:, 0].tolist())
+        drawn = rollout.sample_top_k_top_p(row.repeat(2000, 1), torch.arange(2000), torch.full((2000,), 3), 1.0, 0, p,
+                                           None)[0]
+        assert set(drawn.tolist()) == keep == want, (probs, p)
     row, keys, pos = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 8), torch.arange(8), torch.full((8,), 3)
     assert rollout.sample_top_k_top_p(row, keys, pos, 1.0, 0, 1e-300, None)[0].tolist() == [1] * 8
     a, b = (rollout.sample_top_k_top_p(row.to(dt), keys, pos, 1.0, 2, 0.9, None) for dt in (torch.float32,

@@ -465,7 +465,7 @@ def test_dead_rank_fails_the_job_within_the_timeout(small_synth, tmp_path):
 
 
 def _dense(model, prompts, responses, R, temperature):
-    """log p(response token) [B, R] (with grad) and the entropy [B, R] of every response position, one packed pass
+    """log p(response token) and the entropy of every response position, [B, R] each (with grad), one packed pass
     over the whole sequences with a plain log_softmax over the full vocabulary."""
     seqs = [torch.tensor(list(p) + list(r)) for p, r in zip(prompts, responses)]
     lens = [len(s) for s in seqs]
@@ -473,13 +473,14 @@ def _dense(model, prompts, responses, R, temperature):
     cu[1:] = torch.tensor(lens).cumsum(0)
     z = model.logits(model.packed(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), cu, max(lens)))
     lsm = (z.float() / temperature).log_softmax(-1)
-    logp, ent = [], torch.zeros(len(seqs), R)
+    logp, ent = [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         at = int(cu[i]) + len(p) - 1 + torch.arange(len(r))  # the positions that predict the response tokens
         row = lsm[at].gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1)
         logp.append(torch.cat([row, row.new_zeros(R - len(r))]))
-        ent[i, :len(r)] = -(lsm[at].exp() * lsm[at]).sum(-1).detach()
-    return torch.stack(logp), ent
+        e = -(lsm[at].exp() * lsm[at]).sum(-1)
+        ent.append(torch.cat([e, e.new_zeros(R - len(r))]))
+    return torch.stack(logp), torch.stack(ent)
 
 
 def _copy_of(path, seed, params):
@@ -498,12 +499,12 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
     the reward, pi_old's entropy over the batch (aggregated by the loss_agg_mode), per mini-batch the pg loss (-A
     summed over tokens / the loss_agg_mode's count), the KL loss and the gradient norm, averaged over the two
     optimizer steps; and the warmup's first LR."""
-    R, coef, beta, warmup = 4, 0.5, 0.05, 10 ** 9
+    R, coef, beta, warmup, ec = 4, 0.5, 0.05, 10 ** 9, 0.3
     cfg = train.load_config(CONFIG, overrides(
         small_synth, str(tmp_path), "trainer.total_steps=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
         f"actor.loss_agg_mode={mode}",
         "actor.max_tokens_per_micro_batch=200", f"actor.optim.lr_warmup_steps={warmup}",
-        "actor.use_kl_loss=true", "actor.kl_loss_type=kl", f"actor.kl_loss_coef={coef}",
+        "actor.use_kl_loss=true", "actor.kl_loss_type=kl", f"actor.kl_loss_coef={coef}", f"actor.entropy_coeff={ec}",
         "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl", f"algorithm.kl_ctrl.kl_coef={beta}"))
     t = train.Trainer(cfg)
     t.ref.model.init_random(seed=1234, std=0.2)  # a reference policy clearly unlike the actor
@@ -546,7 +547,7 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
         pg = (-A * ratio * mk).sum() / den
         kl_loss = ((lp - ref_logp[rows]) * mk).sum() / den
         actor.zero_grad()
-        (pg + coef * kl_loss).backward(retain_graph=True)
+        (pg + coef * kl_loss - ec * (ent[rows] * mk).sum() / den).backward(retain_graph=True)  # an entropy bonus
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in actor.parameters() if p.grad is not None))
         want["actor/pg_loss"].append(pg.item())
         want["actor/kl_loss"].append(kl_loss.item())
@@ -555,6 +556,32 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
         w = sum(v) / len(v)
         assert abs(got[k] - w) <= 1e-4 * max(abs(w), 1e-3), (k, got[k], w)
     assert abs(got["actor/ppo_kl"]) < 1e-6
+
+
+def test_config_values_reach_the_algorithms(small_synth, tmp_path, monkeypatch):
+    """Each algorithm key arrives at the function that uses it (the functions themselves are checked against
+    references in test_algorithms.py): PPO's clip ratios, GAE's gamma and lam, the critic's value clip, the rollout
+    IS threshold and level; then GRPO without the std normalisation (Dr. GRPO)."""
+    seen = {}
+    for name in ("compute_policy_loss", "compute_value_loss", "compute_advantage", "compute_rollout_is_weights"):
+        def spy(*a, _real=getattr(train.alg, name), _name=name, **kw):
+            seen[_name] = (a, kw)
+            return _real(*a, **kw)
+        monkeypatch.setattr(train.alg, name, spy)
+    t = trainer(small_synth, tmp_path / "ppo", "algorithm.adv_estimator=gae", "algorithm.gamma=0.95",
+                "algorithm.lam=0.9", "critic.cliprange_value=0.3", "actor.clip_ratio_low=0.15",
+                "actor.clip_ratio_high=0.33", "actor.clip_ratio_c=4.0", "algorithm.rollout_is.enable=true",
+                "algorithm.rollout_is.level=sequence", "algorithm.rollout_is.threshold=3.0")
+    t.train_step()
+    kw = seen["compute_policy_loss"][1]
+    assert (kw["clip_ratio_low"], kw["clip_ratio_high"], kw["clip_ratio_c"]) == (0.15, 0.33, 4.0)
+    assert seen["compute_value_loss"][1]["cliprange_value"] == 0.3
+    adv = seen["compute_advantage"]
+    assert adv[0][0] == "gae" and (adv[1]["gamma"], adv[1]["lam"]) == (0.95, 0.9)
+    assert seen["compute_rollout_is_weights"][0][3:] == (3.0, "sequence")
+    trainer(small_synth, tmp_path / "grpo", "algorithm.norm_adv_by_std_in_grpo=false").train_step()
+    adv = seen["compute_advantage"]
+    assert adv[0][0] == "grpo" and adv[1]["norm_adv_by_std_in_grpo"] is False
 
 
 def test_checkpoint_restores_the_trainer_state(small_synth, tmp_path):
