@@ -489,6 +489,11 @@ def test_load_into_errors(tmp_path):
     with pytest.raises(ValueError, match=r"model_pp0_tp0\.safetensors: tensor 'layers\.0\.mlp\.gate_up_proj\.weight' "
                                          r"has shape \[224, 64\], expected \[256, 64\]"):
         reshard.load_into(m, str(ck))
+    # a key that changes no shape (rms_norm_eps): the same tensors would load into another model
+    json.dump({"step": 0, "tp": 1, "pp": 1, "dp": 1, "model_config": {**m.cfg.raw, "rms_norm_eps": 0.125}},
+              open(ck / "meta.json", "w"))
+    with pytest.raises(ValueError, match=r"is a different model: rms_norm_eps=0\.125"):
+        reshard.load_into(m, str(ck))
     json.dump({"step": 0, "tp": 2, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck / "meta.json", "w"))
     with pytest.raises(FileNotFoundError, match="lacks .*model_pp0_tp1.safetensors"):
         load_full_state(str(ck))
