@@ -623,7 +623,7 @@ def test_sampling_kernel_matches_the_reference(temperature, vocab_start, limit, 
 @pytest.mark.parametrize("top_k,limit", [(0, 5000), (700, 4000)])
 def test_cut_stats_kernel_matches_the_reference(top_k, limit):
     """top-p's bisection counts and sums the allowed tokens above a cut per row and step; on GPU a Triton kernel
-    over parts of the row (1024 ids a part here), each with its running max, then combined."""
+    over parts of the row (1024 ids a part here), each summed against its own max, then combined."""
     import rollout
     if not rollout.TRITON:
         pytest.skip("needs triton")
