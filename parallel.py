@@ -166,10 +166,9 @@ def validate_layout(cfg, tp: int, pp: int, world_size: int, name: str = "model")
     need = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
     fits = lambda key, t: need[key] % t == 0 or key == "num_key_value_heads" and t % need[key] == 0  # noqa: E731
-    valid = [t for t in range(1, world_size + 1)
-             if world_size % (t * max(pp, 1)) == 0 and all(fits(k, t) for k in need)]
     if tp < 1 or pp < 1:
         raise ValueError(f"{name}: tp={tp} and pp={pp} must both be >= 1")
+    valid = [t for t in range(1, world_size + 1) if world_size % (t * pp) == 0 and all(fits(k, t) for k in need)]
     if world_size % (tp * pp) != 0:
         hint = (f"valid tp sizes for this model with pp={pp}: {valid}" if world_size % pp == 0 else  # pp's fault
                 f"valid pp sizes with tp={tp}: {[p for p in range(1, world_size + 1) if world_size % (tp * p) == 0]}")
