@@ -220,13 +220,16 @@ class PromptDataset:
                 raise ValueError(f"{f}: not a readable parquet file ({e})") from e
             if missing := [c for c in (self.prompt_key, "data_source", "reward_model") if c not in t.column_names]:
                 raise ValueError(f"{f}: missing column(s) {missing}; the file has columns {t.column_names}")
+            if taken := [c for c in ("prompt_ids", "ground_truth", "index") if c in t.column_names]:
+                raise ValueError(f"{f}: column(s) {taken} would be overwritten by the ones nanorl derives (the "
+                                 "tokenized prompt, reward_model.ground_truth, the row's position): rename them")
             prompts += [[{"role": "user", "content": p}] if isinstance(p, str)
                         else _check_messages(p, f"{f}: row {r}: column {self.prompt_key!r}")
                         for r, p in enumerate(t.column(self.prompt_key).to_pylist())]
             rewards += t.column("reward_model").to_pylist()
             origin += [(f, r) for r in range(t.num_rows)]
             rests.append(t.drop_columns([c for c in t.column_names if c.startswith("__index_level_") or c in (
-                self.prompt_key, "reward_model", "prompt_ids", "ground_truth", "index")]))
+                self.prompt_key, "reward_model")]))
         try:
             rest = pa.concat_tables(rests, promote_options="permissive")
         except pa.ArrowException as e:

@@ -224,6 +224,8 @@ def _bad_input(kind, tmp_path):
     if kind == "overlong_error":
         return [write_rows(tmp_path / "d.parquet", [row("ok"), row("y" * 50)])], \
             {"max_prompt_length": 30, "filter_overlong": False}
+    if kind == "reserved_column":
+        return [write_rows(tmp_path / "d.parquet", [{**row("a"), "index": 7}])], {}
     if kind == "bad_truncation":
         return [write_rows(tmp_path / "d.parquet", [row("ok")])], {"truncation": "sideways"}
 
@@ -236,6 +238,7 @@ def _bad_input(kind, tmp_path):
     ("prompt_no_role", TypeError, r"row 0: column 'prompt'.*got list"),
     # 69 = "<|im_start|>user\n" (6) + 50 bytes + "<|im_end|>\n" (2) + "<|im_start|>assistant\n" (11)
     ("overlong_error", ValueError, r"d\.parquet: row 1: prompt is 69 tokens, over max_prompt_length=30"),
+    ("reserved_column", ValueError, r"d\.parquet: column\(s\) \['index'\] would be overwritten.*rename them"),
     ("bad_truncation", ValueError, r"truncation='sideways'.*'error', 'left', 'right', 'middle'"),
 ])
 def test_bad_input_errors(tmp_path, tok, kind, exc, pattern):
