@@ -31,9 +31,10 @@ its slot and releases its training tensor (only the storage: the Parameter, its 
 stay). The gathered bucket is the generation weights: views into it when k = 1, merged copies when k > 1 (freeing the
 bucket). On exit each released tensor is rebuilt bit for bit from its slice of them. Extra bytes held (`stats`):
     tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
-    tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
-    tp_g >  tp:           <= gen + padding (the training shard stays whole: the generation shard holds only 1/n of it)
-Padding is where stages differ (the embedding of the first stage against the head of the last)."""
+    tp_g <= tp:           steady gen - train; peak + one bucket in flight
+    tp_g >  tp:           <= gen (the training shard stays whole: the generation shard holds only 1/n of it)
+A bucket whose parts differ between stages (the embedding on the first, the head on the last, a stage of fewer layers)
+goes by one broadcast per holder instead: the all-gather would pad every part to the largest."""
 from __future__ import annotations
 
 import argparse
@@ -193,7 +194,7 @@ class Resharder:
         if world_all_reduce(ok, dist.ReduceOp.MIN).item() != 1.0:
             raise ValueError("Resharder: the model has no LM head (a critic?); only the actor is resharded")
         if tp_g == layout.tp and layout.pp == 1:  # the training model is the generation model: nothing to move
-            self.gen_model, self.chunks = model, []
+            self.gen_model, self.sizes = model, []
             return
         self.gen_model = Transformer(model.cfg, self.gen_layout, self.dtype, device="meta").requires_grad_(False)
         self.gen_model.inv_freq, self.gen_model.attn_backend = model.inv_freq, model.attn_backend
@@ -203,7 +204,7 @@ class Resharder:
     def _plan(self, bucket_bytes: int) -> None:
         """Cut every stage's contribution into the same sequence of buckets. Stages hold the same layer shapes,
         so bucket b takes local layers [b*per, (b+1)*per) of every stage, and one more bucket the first stage's
-        embedding with the last stage's norm and head (two when one stage). chunks[b] = its largest part."""
+        embedding with the last stage's norm and head (two when one stage). sizes[b][stage] = that stage's part."""
         lay, cfg, m = self.layout, self.model.cfg, len(self.micro_ranks)
         stages = [_stage_entries(cfg, lay.tp, lay.pp, p, self.n) for p in range(lay.pp)]
         covered = {e.gen for es in stages for e in es}
@@ -220,11 +221,12 @@ class Resharder:
                      else nl + (lay.pp == 1 and not e.train.startswith("embed_tokens.")))
                 e.offset = size(self.buckets[p][b])
                 self.buckets[p][b].append(e)
-        self.chunks = [max(map(size, column)) for column in zip(*self.buckets)]
-        gathered = [m * c * item for c in self.chunks] if m > 1 else [0]
+        self.sizes = [list(map(size, column)) for column in zip(*self.buckets)]
+        gathered = [self.k * sum(s) * item for s in self.sizes] if m > 1 else [0]
         gen = sum(p.numel() for p in self._meta.values()) * item
-        self.stats.update(gen_bytes=gen, buckets=len(self.chunks), max_bucket_bytes=max(gathered),
-                          pad_bytes=max(0, sum(gathered) - gen), recv_bytes=(m - 1) * sum(self.chunks) * item)
+        self.stats.update(gen_bytes=gen, buckets=len(self.sizes), max_bucket_bytes=max(gathered),
+                          pad_bytes=max(0, sum(gathered) - gen),
+                          recv_bytes=sum(g - s[lay.pp_rank] * item for g, s in zip(gathered, self.sizes)))
 
     @contextmanager
     def generation(self):
@@ -269,7 +271,7 @@ class Resharder:
     def _gather(self) -> None:
         lay, k, n, m, me = self.layout, self.k, self.n, len(self.micro_ranks), self.me
         self.stats.update(released_bytes=0, peak_extra_bytes=0, steady_extra_bytes=0)
-        for b, chunk in enumerate(self.chunks):
+        for b, sizes in enumerate(self.sizes):
             mine = self.buckets[lay.pp_rank][b]
             released = []  # (param, entry) released until exit; gathered views keep their bucket alive
             self._held.append(released)
@@ -280,24 +282,29 @@ class Resharder:
                     self._account(data.nbytes if e.parts and len(e.parts) > 1 else 0)  # fused: a concatenated copy
                     self._set(e.gen, data)
                 continue
-            buf = torch.empty(m * chunk, dtype=self.dtype, device=self.device)
+            buf = torch.empty(k * sum(sizes), dtype=self.dtype, device=self.device)
             self._account(buf.nbytes)
-            slots = buf.view(m, chunk)
+            slots = buf.split([sizes[i // k] for i in range(m)])  # micro-group rank i: stage i // k, block i % k
             try:
                 for e in mine:
                     p = self.model.get_parameter(e.train)
-                    slots[me, e.offset:e.offset + e.shape.numel()].view(e.shape).copy_(  # unnamed: freed by the release
+                    slots[me][e.offset:e.offset + e.shape.numel()].view(e.shape).copy_(  # unnamed: freed by the release
                         _sub(p.detach(), e.tp_dim, e.local(lay.tp), n, lay.dp_rank % n, e.unit))
                     if n == 1:  # its slot holds this shard now: release the training copy until exit
                         self._account(-p.nbytes)
                         self.stats["released_bytes"] += p.nbytes
                         p.data = p.data.new_empty(0)
                         released.append((p, e))
-                _all_gather_flat(buf, slots[me], group=self.group)
+                if len(set(sizes)) == 1:
+                    _all_gather_flat(buf, slots[me], group=self.group)
+                else:
+                    for i, src in enumerate(self.micro_ranks):
+                        if sizes[i // k]:
+                            dist.broadcast(slots[i], src, group=self.group)
                 for stage, runs in enumerate(self.buckets):
                     for e in runs[b]:
                         at = slice(e.offset, e.offset + e.shape.numel())
-                        blocks = [slots[stage * k + c, at].view(e.shape) for c in range(k)]
+                        blocks = [slots[stage * k + c][at].view(e.shape) for c in range(k)]
                         data = blocks[self.c_me]  # k == 1: a view into the bucket
                         if k > 1:  # replicated: this rank's own copy, bitwise what it released
                             data = (_owned(data, buf) if e.tp_dim is None else
@@ -306,7 +313,7 @@ class Resharder:
                         self._set(e.gen, data)
             except BaseException:  # this bucket's released shards are only in this rank's slot: put them back
                 for p, e in released:
-                    p.data = slots[me, e.offset:e.offset + e.shape.numel()].view(e.shape).clone()
+                    p.data = slots[me][e.offset:e.offset + e.shape.numel()].view(e.shape).clone()
                 released.clear()
                 raise
             if k > 1:  # the merged copies are the generation weights: the bucket goes now

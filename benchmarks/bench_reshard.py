@@ -7,7 +7,7 @@ times entering and leaving `Resharder.generation()` (median of a few rounds, bot
 sync), counts the bytes each rank receives, and times one plain NCCL all-gather of the same bytes
 in the same micro-DP groups in the same run: the bound the reshard is measured against. Memory: "extra"
 is what is allocated during generation beyond the training state (the training shard is released,
-so with tp_g <= tp it is gen - train + padding), "peak extra" the allocator's peak above it. The
+so with tp_g <= tp it is gen - train), "peak extra" the allocator's peak above it. The
 first round also checks that the training shards come back bit for bit.
 """
 import argparse
