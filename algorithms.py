@@ -50,8 +50,7 @@ import torch
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """sum(x * mask); padding may hold inf/nan (e.g. log-probs of pad tokens), so select first."""
-    y = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype)) * mask.to(x.dtype)
-    return y.sum() if dim is None else y.sum(dim)
+    return (torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype)) * mask.to(x.dtype)).sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from model import TRITON, AttnContext, KVCache, Transformer, load_model, read_json
-from parallel import all_gather_stack, fused
+from parallel import all_gather_stack, all_reduce, fused
 
 if TRITON:
     import triton
@@ -193,7 +193,8 @@ if TRITON:
         total = tl.sum(p, 0)
         keep = i < limit
         if FLOOR:  # top-k, top-p: the raw logits against the smallest one kept, so ties with it stay in
-            keep = keep & (x >= tl.load(Floor + b))
+            floor = tl.load(Floor + b)
+            keep = keep & (x >= floor)
         if GREEDY:
             best, j = tl.max(tl.where(i < limit, z, float("-inf")), 0, return_indices=True)
             at = best
@@ -204,16 +205,17 @@ if TRITON:
             if LIMIT:  # relative to the allowed ids' max: an id past the limit 87 nats above them all (at a low T)
                 p = tl.exp(z - tl.max(tl.where(i < limit, z, float("-inf")), 0))  # underflowed their p to 0
             if TIES:  # top-p: the tokens tied with the floor weigh the share of them the nucleus keeps
-                p = tl.where(x == tl.load(Floor + b), p * tl.load(Tie + b), p)
+                tie = tl.load(Tie + b)
+                p = tl.where(x == floor, p * tie, p)
             _, j = tl.min(tl.where(keep, e / p, float("inf")), 0, return_indices=True)
             x_j = tl.load(Z + b * stride_z + c * CHUNK + j)
             at = x_j.to(tl.float32) * inv_temperature
             g_j = -tl.log(-tl.log(_uniform(row, (c * CHUNK + j + vocab_start).to(tl.uint32))))  # exact, once
             ok = c * CHUNK + j < limit
             if FLOOR:
-                ok = ok & (x_j >= tl.load(Floor + b))
+                ok = ok & (x_j >= floor)
             if TIES:
-                g_j += tl.where(x_j == tl.load(Floor + b), tl.log(tl.load(Tie + b)), 0.0)
+                g_j += tl.where(x_j == floor, tl.log(tie), 0.0)
             best = tl.where(ok, at + g_j, float("-inf"))
         o = Out + (b * tl.num_programs(1) + c) * 5
         tl.store(o, m)
@@ -448,8 +450,7 @@ class Generator:
         budget = self.kv_cache_tokens
         if budget is None and self.device.type == "cuda":
             free = torch.tensor(torch.cuda.mem_get_info(self.device)[0], device=self.device)
-            if self.group is not None:  # every rank of the group must choose the same row count
-                dist.all_reduce(free, dist.ReduceOp.MIN, group=self.group)
+            all_reduce(free, self.group, dist.ReduceOp.MIN)  # every rank of the group must choose the same row count
             budget = int(free.item() * self.memory_fraction) // per_token
         elif budget is None:
             budget = self.max_rows * max_len
