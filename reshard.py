@@ -31,10 +31,11 @@ its slot and releases its training tensor (only the storage: the Parameter, its 
 stay). The gathered bucket is the generation weights: views into it when k = 1, merged copies when k > 1 (freeing the
 bucket). On exit each released tensor is rebuilt bit for bit from its slice of them. Extra bytes held (`stats`):
     tp_g == tp, pp == 1:  0 (the generation model is the training model itself)
-    tp_g <= tp:           steady gen - train; peak + one bucket in flight
-    tp_g >  tp:           <= gen (the training shard stays whole: the generation shard holds only 1/n of it)
-A bucket whose parts differ between stages (the embedding on the first, the head on the last, a stage of fewer layers)
-goes by one broadcast per holder instead: the all-gather would pad every part to the largest."""
+    tp_g <= tp:           steady gen - train + padding; peak + one bucket in flight
+    tp_g >  tp:           <= gen + padding (the training shard stays whole: the generation shard holds only 1/n of it)
+Padding: the all-gather pads every stage's part of a bucket to the largest. Where that would add over 1/8 (the first
+stage's embedding against a middle stage's nothing or a tied head's norm alone, a stage of fewer layers), the bucket
+goes by one broadcast per holder instead: no padding, but one sender at a time."""
 from __future__ import annotations
 
 import argparse
@@ -204,7 +205,7 @@ class Resharder:
     def _plan(self, bucket_bytes: int) -> None:
         """Cut every stage's contribution into the same sequence of buckets. Stages hold the same layer shapes,
         so bucket b takes local layers [b*per, (b+1)*per) of every stage, and one more bucket the first stage's
-        embedding with the last stage's norm and head (two when one stage). sizes[b][stage] = that stage's part."""
+        embedding with the last stage's norm and head (two when one stage)."""
         lay, cfg, m = self.layout, self.model.cfg, len(self.micro_ranks)
         stages = [_stage_entries(cfg, lay.tp, lay.pp, p, self.n) for p in range(lay.pp)]
         covered = {e.gen for es in stages for e in es}
@@ -221,7 +222,9 @@ class Resharder:
                      else nl + (lay.pp == 1 and not e.train.startswith("embed_tokens.")))
                 e.offset = size(self.buckets[p][b])
                 self.buckets[p][b].append(e)
-        self.sizes = [list(map(size, column)) for column in zip(*self.buckets)]
+        self.sizes = []  # slot sizes: the parts, or each padded to the largest where that wastes little
+        for parts in ([size(es) for es in column] for column in zip(*self.buckets)):
+            self.sizes.append([max(parts)] * len(parts) if max(parts) * len(parts) <= 1.125 * sum(parts) else parts)
         gathered = [self.k * sum(s) * item for s in self.sizes] if m > 1 else [0]
         gen = sum(p.numel() for p in self._meta.values()) * item
         self.stats.update(gen_bytes=gen, buckets=len(self.sizes), max_bucket_bytes=max(gathered),

@@ -65,8 +65,10 @@ def bench(cfg, tp, pp, tp_g, rounds, dev):
     # the bound: one flat in-place all-gather of the same bytes in the same groups
     m, recv = len(r.micro_ranks), r.stats["recv_bytes"]
     bound = []
-    if m > 1:
-        per = (recv // (m - 1)) // 2
+    if m > 1:  # (ranks of different stages receive different bytes: every rank gathers the largest share)
+        most = torch.tensor(recv, device=dev)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        per = (int(most) // (m - 1)) // 2
         buf = torch.empty(m * per, dtype=torch.bfloat16, device=dev)
         mine = buf[r.me * per:(r.me + 1) * per]
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

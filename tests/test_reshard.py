@@ -343,9 +343,9 @@ def test_reshard_layouts(case, tmp_path):
                 continue
             assert s["gen_bytes"] == gen_bytes
             assert extra == s["steady_extra_bytes"]  # the accounting agrees with the storages held
-            # nothing padded: stages of different sizes broadcast their parts; with k > 1 the gathered copies of
-            # replicated tensors (norms, KV heads) are held only until the merge
-            assert s["pad_bytes"] == 0 if tp % tp_g or tp == tp_g else s["pad_bytes"] <= 0.25 * gen_bytes, s
+            # padding under 1/8 (stages of very different sizes broadcast their parts); with k > 1 the gathered
+            # copies of replicated tensors (norms, KV heads) are held until the merge
+            assert s["pad_bytes"] <= (0.125 if tp % tp_g or tp == tp_g else 0.25) * gen_bytes, s
             if tp_g <= tp:  # the rank holds its generation shard (+ padding) and nothing more
                 assert s["released_bytes"] == r["train_bytes"]
                 assert r["held"] <= gen_bytes + s["pad_bytes"] + r["held0"] - r["train_bytes"]
