@@ -380,11 +380,18 @@ def save_model_shard(model: Transformer, layout: Layout, ckpt_dir: str, tensors:
     full_state) as {prefix}_pp{p}_tp{t}.safetensors; only DP rank `writer` writes (the others hold the same)."""
     if layout.dp_rank != writer:
         return
-    from safetensors.torch import save_file
     path = os.path.join(ckpt_dir, f"{prefix}_{shard_name(layout)}.safetensors")
-    save_file({k: v.detach().contiguous().cpu() for k, v in (tensors or model_state(model)).items()}, path + ".tmp",
-              metadata={"format": "pt"})
+    _save_file({k: v.detach().contiguous().cpu() for k, v in (tensors or model_state(model)).items()}, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+def _save_file(tensors: dict, path: str) -> None:
+    """safetensors' save_file, the file then given the mode any new file gets (save_file makes it owner-only)."""
+    from safetensors.torch import save_file
+    save_file(tensors, path, metadata={"format": "pt"})
+    mask = os.umask(0o022)  # (reading the umask means setting it)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 class _Checkpoint:
@@ -457,7 +464,6 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_templ
 def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
     """A Hugging Face directory (config.json, safetensors shards + index, tokenizer files) from a checkpoint,
     written into a temporary directory that is renamed into place; one shard in memory at a time."""
-    from safetensors.torch import save_file
     ck = _Checkpoint(ckpt_dir)
     if any(hf.startswith("value_head.") for hf in ck.index):
         raise ValueError(f"{ckpt_dir!r} is a critic (a value head, no LM head): only an actor exports as a causal LM")
@@ -467,7 +473,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
     os.makedirs(tmp)  # a new name: a directory already there (the user's) is never overwritten or removed
 
     def flush():
-        save_file(cur, os.path.join(tmp, f"part{len(shards)}"), metadata={"format": "pt"})
+        _save_file(cur, os.path.join(tmp, f"part{len(shards)}"))
         shards.append(list(cur))
         cur.clear()
     try:

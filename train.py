@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import difflib
 import importlib.util
-import itertools
 import json
 import math
 import operator
@@ -328,9 +327,10 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if (ob := cfg.algorithm.overlong_buffer).enable and not 0 < ob.len <= d.max_response_length:
         raise ValueError(f"{src('algorithm.overlong_buffer', 'data.max_response_length')}: algorithm.overlong_buffer"
                          f".len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
-    if 0 < (kv := cfg.rollout.kv_cache_tokens) < (L := d.max_prompt_length + d.max_response_length):
-        raise ValueError(f"{src('rollout.kv_cache_tokens')}: rollout.kv_cache_tokens={kv} < data.max_prompt_length + "
-                         f"max_response_length = {L}: the cache cannot hold one sequence")
+    for key in ("rollout.kv_cache_tokens", "actor.max_tokens_per_micro_batch"):  # (kv_cache_tokens 0: from memory)
+        if 0 < (v := operator.attrgetter(key)(cfg)) < (L := d.max_prompt_length + d.max_response_length):
+            raise ValueError(f"{src(key)}: {key}={v} < data.max_prompt_length + max_response_length = {L}: it "
+                             "cannot hold one sequence")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{src('data.train_batch_size', 'actor.ppo_mini_batch_size')}: data.train_batch_size="
                          f"{d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
@@ -533,19 +533,20 @@ class Trainer:
                 gen.free()
             return Batch.from_completions(items, collect_results(done, offset, self.resharder.gen_layout), R)
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int]:
-        """(scores, the scorer's extra values, scorer errors): each rank scores 1/W of the samples, all-gathered."""
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int, list[str]]:
+        """(scores, the scorer's extras, its errors, the decoded responses); rank r scores r, r + W, ..., gathered."""
         texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
-        share = list(range(self.rank, len(batch), self.world))
         cols = (batch.data_source, texts, batch.ground_truth, batch.extra_info)
-        scores, extras, errors = score_batch(self.reward_fn, *([col[i] for i in share] for col in cols))
-        parts = all_gather_objects((share, {"score": scores, **extras}, errors))
+        scores, extras, errors = score_batch(self.reward_fn, *(col[self.rank::self.world] for col in cols))
+        parts = all_gather_objects(({"score": scores, **extras}, errors))
         full = {}  # one tensor per key over the whole batch; NaN where a sample lacked the key
-        for idx, vals, _ in parts:
+        for r, (vals, _) in enumerate(parts):
             for k, v in vals.items():
-                full.setdefault(k, torch.full((len(batch),), float("nan")))[idx] = torch.tensor(
+                full.setdefault(k, torch.full((len(batch),), float("nan")))[r::self.world] = torch.tensor(
                     [float("nan") if x is None else x for x in v], dtype=torch.float32)
-        return full.pop("score"), full, sum(p[2] for p in parts)
+        if (errors := sum(p[1] for p in parts)) == len(batch):  # a bug in the scorer (a NameError), not bad samples
+            raise RuntimeError(f"the reward function raised on all {errors} samples of the batch (warnings above)")
+        return full.pop("score"), full, errors, texts
 
     def rollout_batch(self) -> tuple[Batch, dict]:
         """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
@@ -554,12 +555,13 @@ class Trainer:
         while num_prompts < cfg.data.train_batch_size:
             if fg.enable and 0 < fg.max_num_gen_batches <= len(kept):
                 raise RuntimeError(f"algorithm.filter_groups: {num_prompts} of {cfg.data.train_batch_size} prompts had "
-                                   f"varied {fg.metric!r} in {len(kept)} batches (.max_num_gen_batches); check rewards")
+                                   f"varied {fg.metric!r} in {len(kept)} batches (.max_num_gen_batches, 0: no limit); "
+                                   "the others scored alike: too easy or too hard for the policy, or a constant reward")
             items = self.train_data.get_batch(self.sampler.next_indices())
             with timed(metrics, "gen"):
                 batch = self.generate(items, seed=cfg.trainer.seed + 7919 * self.step + len(kept))
             metrics["timing_s/reshard"] = metrics.get("timing_s/reshard", 0.0) + self.resharder.last_timing
-            scores, extras, errors = self.score(batch)
+            scores, extras, errors, _ = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
             shaped = scores + alg.compute_overlong_penalty(batch.response_mask.sum(-1), cfg.data.max_response_length,
                                                            ob.len, ob.penalty_factor) if ob.enable else scores
@@ -579,8 +581,8 @@ class Trainer:
             num_prompts += len(keep) // n
         metrics["train/num_gen_batches"] = float(len(kept))
         keys = {k for part in kept for k in part.tensors}  # a scorer's extra missing from a whole draw: NaN there
-        for part, k in itertools.product(kept, keys):
-            part.tensors.setdefault(k, torch.full((len(part),), float("nan")))
+        for part in kept:
+            part.tensors.update({k: torch.full((len(part),), float("nan")) for k in keys - part.tensors.keys()})
         batch = Batch.combine(kept, torch.cat, lambda lists: sum(lists, []))  # concatenate
         return batch.select(list(range(cfg.data.train_batch_size * n))), metrics
 
@@ -709,8 +711,7 @@ class Trainer:
         for start in range(0, n, cfg.data.val_batch_size):
             items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
             batch = self.generate(items, seed=cfg.trainer.seed + start, val=True)  # a seed per batch, each validation
-            scores = self.score(batch)[0]
-            texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
+            scores, _, _, texts = self.score(batch)
             for i in range(len(batch)):
                 by_src.setdefault(batch.data_source[i], []).append(float(scores[i]))
                 if len(records) < 64:
@@ -731,8 +732,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "critic") if self.critic is not None else tmp)
         world_barrier()
-        # weights and Adam state as whole-over-DP shards, so any layout reads them; every DP rank holds them
-        # after full_state's gather, so the files go round-robin over the DP ranks, which write in parallel
+        # weights, Adam state: shards whole over DP (any layout reads them), held by every DP rank, written round-robin
         files = [(role, d, name) for role, d in self._role_dirs(tmp) for name in ("model", *ShardedAdamW.STATES)]
         for i, (role, d, name) in enumerate(files):
             tensors = None if name == "model" else role.optim.full_state(name)

@@ -29,12 +29,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--src", default="../shared/data/gsm8k", help="GSM8K's train.jsonl is the tokenizer's corpus")
+    ap.add_argument("--src", default="../shared/data/gsm8k", help="the directory of GSM8K's train.jsonl (the tokenizer's corpus)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family (CPU checks)")
     a = ap.parse_args()
     if os.path.exists(a.out):
         sys.exit(f"--out {a.out!r} already exists; choose a new directory")
+    if not os.path.isfile(os.path.join(a.src, "train.jsonl")):
+        sys.exit(f"--src {a.src!r}: expected a directory holding GSM8K's train.jsonl")
     with open(os.path.join(a.src, "train.jsonl")) as f:
         texts = [t for line in f for t in json.loads(line).values()]
     tok = Tokenizer(models.BPE())

@@ -385,6 +385,9 @@ def _check_export(res, work):
     assert len(set(index["weight_map"].values())) > 1  # several shards
     assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "float32"
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    # the weights, exported and checkpointed, get the mode of any new file (safetensors writes them owner-only)
+    files = [os.path.join(d, f) for d in (out, ck) for f in os.listdir(d) if os.path.isfile(os.path.join(d, f))]
+    assert {os.stat(f).st_mode & 0o777 for f in files} == {os.stat(os.path.join(out, "config.json")).st_mode & 0o777}
     hf = helpers.hf_model(out)
     seqs_logits = []
     g = torch.Generator().manual_seed(1)
