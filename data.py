@@ -47,7 +47,7 @@ import torch
 
 logger = logging.getLogger("nanorl.data")
 
-CACHE_VERSION = "2"  # bump when the cache layout changes, so old files are never reused
+CACHE_VERSION = "3"  # bump when the cache layout changes, so old files are never reused
 TRUNCATIONS = ("error", "left", "right", "middle")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # one suffices
 

@@ -45,7 +45,7 @@ import os
 import re
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -227,9 +227,9 @@ class Resharder:
             self.sizes.append([max(parts)] * len(parts) if max(parts) * len(parts) <= 1.125 * sum(parts) else parts)
         gathered = [self.k * sum(s) * item for s in self.sizes] if m > 1 else [0]
         gen = sum(p.numel() for p in self._meta.values()) * item
+        recv = sum(g - s[lay.pp_rank] * item for g, s in zip(gathered, self.sizes)) if m > 1 else 0
         self.stats.update(gen_bytes=gen, buckets=len(self.sizes), max_bucket_bytes=max(gathered),
-                          pad_bytes=max(0, sum(gathered) - gen),
-                          recv_bytes=sum(g - s[lay.pp_rank] * item for g, s in zip(gathered, self.sizes)))
+                          pad_bytes=max(0, sum(gathered) - gen), recv_bytes=recv)
 
     @contextmanager
     def generation(self):
@@ -391,7 +391,8 @@ def _save_file(tensors: dict, path: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
     mask = os.umask(0o022)  # (reading the umask means setting it)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    with suppress(OSError):  # (a file system without modes)
+        os.chmod(path, 0o666 & ~mask)
 
 
 class _Checkpoint:

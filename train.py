@@ -329,8 +329,8 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
                          f".len={ob.len} must be in (0, data.max_response_length={d.max_response_length}]")
     for key in ("rollout.kv_cache_tokens", "actor.max_tokens_per_micro_batch"):  # (kv_cache_tokens 0: from memory)
         if 0 < (v := operator.attrgetter(key)(cfg)) < (L := d.max_prompt_length + d.max_response_length):
-            raise ValueError(f"{src(key)}: {key}={v} < data.max_prompt_length + max_response_length = {L}: it "
-                             "cannot hold one sequence")
+            raise ValueError(f"{src(key, 'data.max_prompt_length', 'data.max_response_length')}: {key}={v} < "
+                             f"data.max_prompt_length + max_response_length = {L}: it cannot hold one sequence")
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{src('data.train_batch_size', 'actor.ppo_mini_batch_size')}: data.train_batch_size="
                          f"{d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
@@ -544,7 +544,7 @@ class Trainer:
             for k, v in vals.items():
                 full.setdefault(k, torch.full((len(batch),), float("nan")))[r::self.world] = torch.tensor(
                     [float("nan") if x is None else x for x in v], dtype=torch.float32)
-        if (errors := sum(p[1] for p in parts)) == len(batch):  # a bug in the scorer (a NameError), not bad samples
+        if (errors := sum(p[1] for p in parts)) == len(batch) > 0:  # a bug in the scorer (a NameError), not bad data
             raise RuntimeError(f"the reward function raised on all {errors} samples of the batch (warnings above)")
         return full.pop("score"), full, errors, texts
 

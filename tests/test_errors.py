@@ -362,12 +362,12 @@ CASES = [
          r"override 'rollout\.val_top_p=0': rollout\.val_top_p=0\.0 must be > 0"),
     Case("config-kv-cache-under-one-sequence", "rollout.kv_cache_tokens=100 (found at the first generation, before)",
          _cfg("rollout.kv_cache_tokens=100", "data.max_prompt_length=64", "data.max_response_length=64"), ValueError,
-         r"override 'rollout\.kv_cache_tokens=100': rollout\.kv_cache_tokens=100 < data\.max_prompt_length \+ "
+         r"override 'data\.max_response_length=64': rollout\.kv_cache_tokens=100 < data\.max_prompt_length \+ "
          r"max_response_length = 128: it cannot hold one sequence"),
     Case("config-micro-batch-under-one-sequence", "actor.max_tokens_per_micro_batch=100 (found after the first "
          "generation, before)", _cfg("actor.max_tokens_per_micro_batch=100", "data.max_prompt_length=64",
                                      "data.max_response_length=64"), ValueError,
-         r"override 'actor\.max_tokens_per_micro_batch=100': actor\.max_tokens_per_micro_batch=100 < "
+         r"override 'data\.max_response_length=64': actor\.max_tokens_per_micro_batch=100 < "
          r"data\.max_prompt_length \+ max_response_length = 128: it cannot hold one sequence"),
     Case("config-negative-seed", "trainer.seed=-1 (numpy's message, naming no key, before)", _cfg("trainer.seed=-1"),
          ValueError, r"override 'trainer\.seed=-1': trainer\.seed=-1 must be >= 0"),

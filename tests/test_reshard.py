@@ -342,6 +342,7 @@ def test_reshard_layouts(case, tmp_path):
                 assert extra == 0 and s["peak_extra_bytes"] == 0 and r["unmoved"] > 0
                 continue
             assert s["gen_bytes"] == gen_bytes
+            assert s["recv_bytes"] == 0 if tp_g > tp and pp == 1 else s["recv_bytes"] > 0  # (narrowing: no messages)
             assert extra == s["steady_extra_bytes"]  # the accounting agrees with the storages held
             # padding under 1/8 (stages of very different sizes broadcast their parts); with k > 1 the gathered
             # copies of replicated tensors (norms, KV heads) are held until the merge
