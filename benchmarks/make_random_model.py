@@ -29,7 +29,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--src", default="../shared/data/gsm8k", help="the directory of GSM8K's train.jsonl (the tokenizer's corpus)")
+    ap.add_argument("--src", default="../shared/data/gsm8k",
+                    help="the directory of GSM8K's train.jsonl (the tokenizer's corpus)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family (CPU checks)")
     a = ap.parse_args()
