@@ -9,8 +9,8 @@ it, `reward_model.ground_truth` is what the scorer compares against, `extra_info
 copies. So one process tokenizes it all into an Arrow IPC file that every rank memory-maps: the page cache holds one
 shared copy, and reopening costs milliseconds. The file's name hashes all that decides its contents (data files'
 bytes, tokenizer vocabulary and chat template, length settings), so a change never reuses a stale file. Whoever
-creates the lock file (O_CREAT|O_EXCL is atomic) builds to a temporary name, then renames it, while the rest wait; no
-torch.distributed needed. An invalid file is rebuilt; a dead builder's lock is detected by its pid (or times out).
+holds an exclusive flock on the lock file builds to a temporary name, then renames it, while the rest wait; no
+torch.distributed needed. An invalid file is rebuilt; the kernel drops a dead builder's flock, so it blocks nobody.
 
 **Sampling.** A fresh permutation per epoch from (seed, epoch), the tail too short for a batch dropped; the state is
 just (epoch, position), so a resumed run draws exactly the batches it would have drawn, also at an epoch boundary.
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fcntl
+import glob
 import hashlib
 import heapq
 import itertools
@@ -120,19 +122,6 @@ def _check_messages(prompt, where: str) -> list[dict]:
                     f"messages, got {type(prompt).__name__}: {str(prompt)[:100]}")
 
 
-def _clear_stale_lock(lock: str) -> None:
-    """Remove a lock whose builder died on this host, so a crash does not block every later run."""
-    try:
-        host, pid = pathlib.Path(lock).read_text().split()
-        if host == socket.gethostname():  # (another node's builder: only the timeout can tell)
-            os.kill(int(pid), 0)  # signal 0 only checks that the process exists
-    except ProcessLookupError:
-        logger.warning("removing lock %s left by dead process %s", lock, pid)
-        pathlib.Path(lock).unlink(missing_ok=True)
-    except (OSError, ValueError):  # lock gone already, its owner mid-write, or alive under another user
-        pass
-
-
 class PromptDataset:
     """Tokenized prompts of verl-schema parquet files, memory-mapped from a shared Arrow cache.
 
@@ -184,29 +173,40 @@ class PromptDataset:
             return None
 
     def _open_or_build(self) -> pa.Table:
+        """One process builds the cache, holding an exclusive flock on `<cache>.lock`; the kernel drops the flock
+        when its holder dies, so a crashed builder blocks nobody. The holder removes the file before letting go: a
+        waiter that then gets the flock of the removed file tries again (and finds the cache)."""
         lock, deadline = self.cache_path + ".lock", time.monotonic() + self.lock_timeout
         while (table := self._try_open()) is None:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR)
             try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                _clear_stale_lock(lock)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {self.lock_timeout:.0f}s for another process to build "
-                                       f"{self.cache_path}; if no builder is running, delete the lock {lock}")
-                time.sleep(0.05)
-                continue
-            try:
-                os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"waited {self.lock_timeout:.0f}s for another process to build "
+                                           f"{self.cache_path} (it holds {lock})") from None
+                    time.sleep(0.05)
+                    continue
+                try:
+                    if not os.path.samestat(os.fstat(fd), os.stat(lock)):
+                        continue  # the flock of a file its last holder removed (another one is there now)
+                except FileNotFoundError:
+                    continue  # the same, no file there now
+                try:
+                    if self._try_open() is None:  # unless someone finished before we took the lock
+                        for old in glob.glob(glob.escape(self.cache_path) + ".tmp-*"):  # a dead builder's
+                            os.remove(old)
+                        if os.path.exists(self.cache_path):
+                            logger.warning("rebuilding unusable cache %s (%s)", self.cache_path, self._unusable)
+                        atomic_write(self.cache_path, self._build)
+                        self.cache_built = True
+                        if self._try_open() is None:
+                            raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
+                finally:
+                    os.remove(lock)
+            finally:
                 os.close(fd)
-                if self._try_open() is None:  # unless someone finished before we took the lock
-                    if os.path.exists(self.cache_path):
-                        logger.warning("rebuilding unusable cache %s (%s)", self.cache_path, self._unusable)
-                    atomic_write(self.cache_path, self._build)
-                    self.cache_built = True
-                    if self._try_open() is None:
-                        raise RuntimeError(f"freshly built cache {self.cache_path} does not validate")
-            finally:  # (a waiter that judged this lock stale may have removed it already)
-                pathlib.Path(lock).unlink(missing_ok=True)
         return table
 
     def _build(self, out_path: str) -> None:
@@ -220,6 +220,8 @@ class PromptDataset:
                 raise ValueError(f"{f}: not a readable parquet file ({e})") from e
             if missing := [c for c in (self.prompt_key, "data_source", "reward_model") if c not in t.column_names]:
                 raise ValueError(f"{f}: missing column(s) {missing}; the file has columns {t.column_names}")
+            t = t.cast(pa.schema([c.with_type(c.type.value_type) if pa.types.is_dictionary(c.type) else c
+                                  for c in t.schema]))  # (pandas' categoricals: plain values, as other files have)
             if taken := [c for c in ("prompt_ids", "ground_truth", "index") if c in t.column_names]:
                 raise ValueError(f"{f}: column(s) {taken} would be overwritten by the ones nanorl derives (the "
                                  "tokenized prompt, reward_model.ground_truth, the row's position): rename them")
@@ -265,14 +267,19 @@ class PromptDataset:
             truth = rm.get("ground_truth") if isinstance(rm, dict) else None
             if truth is None:
                 raise ValueError(f"{f}: row {r}: reward_model must be a struct with a ground_truth, got {rm!r}")
-            kept.append((row, ids, {**rm, "ground_truth": truth if isinstance(truth, str) else json.dumps(truth)}))
+            kept.append((row, ids, {**rm, "ground_truth": truth if isinstance(truth, str)
+                                    else json.dumps(truth, ensure_ascii=False)}))
         if not kept:
             raise ValueError(f"no prompts left in {self.files}: all {len(origin)} are longer than "
                              f"max_prompt_length={self.max_prompt_length}")
         keep, kept_ids, kept_rewards = zip(*kept)
         table = rest.take(pa.array(keep, pa.int64()))
-        for name, values in ((self.prompt_key, pa.array([prompts[i] for i in keep])),
-                             ("reward_model", pa.array(kept_rewards)),
+        try:
+            prompt_col, reward_col = pa.array([prompts[i] for i in keep]), pa.array(kept_rewards)
+        except pa.ArrowException as e:  # (a field an int in one row or file, a string in another)
+            raise ValueError(f"the {self.prompt_key!r} or reward_model values of {self.files} do not keep one type "
+                             f"per field: {e}") from e
+        for name, values in ((self.prompt_key, prompt_col), ("reward_model", reward_col),
                              ("prompt_ids", pa.array(kept_ids, pa.large_list(pa.int32()))),
                              ("ground_truth", pa.array([r["ground_truth"] for r in kept_rewards], pa.string())),
                              ("index", pa.array(np.arange(len(keep), dtype=np.int64)))):
