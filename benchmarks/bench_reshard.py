@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig, Transformer  # noqa: E402
-from parallel import make_layout  # noqa: E402
+from parallel import make_layout, world_all_reduce  # noqa: E402
 from reshard import Resharder, valid_generation_tp  # noqa: E402
 
 QWEN7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
@@ -66,9 +66,7 @@ def bench(cfg, tp, pp, tp_g, rounds, dev):
     m, recv = len(r.micro_ranks), r.stats["recv_bytes"]
     bound = []
     if m > 1:  # (ranks of different stages receive different bytes: every rank gathers the largest share)
-        most = torch.tensor(recv, device=dev)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        per = (int(most) // (m - 1)) // 2
+        per = (int(world_all_reduce(torch.tensor(recv, device=dev), dist.ReduceOp.MAX)) // (m - 1)) // 2
         buf = torch.empty(m * per, dtype=torch.bfloat16, device=dev)
         mine = buf[r.me * per:(r.me + 1) * per]
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
