@@ -109,6 +109,8 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    if tokenizer.chat_template is not None:  # what it renders today: a template may print the date (strftime_now)
+        h.update(tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
     h.update(str(getattr(tokenizer, "split_special_tokens", False)).encode())  # the wrapper's, not in to_str()
     return h.hexdigest()

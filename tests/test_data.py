@@ -162,6 +162,9 @@ def test_cache_key_follows_contents_and_tokenizer(tmp_path, tok_dir):
     e = data.PromptDataset([f], tok, 64)
     assert e.cache_path != d.cache_path
     assert e[0]["prompt_ids"] == list(tok("<|im_start|>hellO", add_special_tokens=False)["input_ids"])
+    # a template that prints the time (Llama 3's "Today Date" uses strftime_now) renders another prompt later
+    tok.chat_template = "{{ strftime_now('%H%M%S%f') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert data.PromptDataset([f], tok, 64).cache_path != data.PromptDataset([f], tok, 64).cache_path
 
 
 def test_stale_and_live_locks(tmp_path, tok):
