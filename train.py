@@ -118,7 +118,7 @@ class ActorConfig:
 class CriticConfig:
     model_path: str = ""                # default: the actor's
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_epochs: int = -1                # -1: the actor's
+    ppo_epochs: int = -1                # -1: the actor's; 0: a frozen critic (its values still feed GAE)
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
 
@@ -240,7 +240,7 @@ AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "da
                              "data.max_response_length", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
                              "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
                              "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
-            "rollout.val_top_k": -1, "trainer.seed": 0,
+            "rollout.val_top_k": -1, "trainer.seed": 0, "critic.ppo_epochs": -1, "rollout.kv_cache_tokens": 0,
             **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
                              "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
 ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.val_top_p": 0, "rollout.gpu_memory_fraction": 0,
@@ -613,7 +613,7 @@ class Trainer:
         cfg, lay, role, rc = self.cfg, self.layout, getattr(self, name), getattr(self.cfg, name)
         mini, per_step, skipped, o = cfg.actor.ppo_mini_batch_size * cfg.rollout.n, [], 0, rc.optim  # mini: rows
         lr = lr_at(self.step, cfg.trainer.total_steps, o.lr, o.lr_warmup_steps, o.lr_schedule, o.min_lr_ratio)
-        for _ in range(rc.ppo_epochs if rc.ppo_epochs > 0 else cfg.actor.ppo_epochs):  # -1: the actor's
+        for _ in range(rc.ppo_epochs if rc.ppo_epochs >= 0 else cfg.actor.ppo_epochs):  # -1: the actor's
             for start in range(0, len(batch), mini):
                 rows = list(range(start, min(start + mini, len(batch))))
                 mask = batch.response_mask[rows]
@@ -724,11 +724,11 @@ class Trainer:
 
     # --- checkpoints
     def save_checkpoint(self, metrics: dict | None = None) -> None:
-        """Every rank writes its shards into step_N.tmp; rank 0 makes them durable, renames the directory to
+        """Every rank writes its shards into saving.tmp; rank 0 makes them durable, renames the directory to
         step_N and only then writes `latest`, so a crash at any point leaves `latest` naming a complete one."""
         root, lay = os.path.join(self.out, "checkpoints"), self.layout
-        final, tmp = os.path.join(root, f"step_{self.step}"), os.path.join(root, f"step_{self.step}.tmp")
-        if self.rank == 0:
+        final, tmp = os.path.join(root, f"step_{self.step}"), os.path.join(root, "saving.tmp")
+        if self.rank == 0:  # (one name: a crashed save's leftovers go whatever its step was)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "critic") if self.critic is not None else tmp)
         world_barrier()
@@ -790,7 +790,7 @@ class Trainer:
             load_into(role.model, d)
             for name in ShardedAdamW.STATES:
                 role.optim.load_full_state(name, read_shard(role.model, d, name))
-        same = (meta["tp"], meta["pp"], meta["dp"]) == (lay.tp, lay.pp, lay.dp)
+        same = (was := (meta["tp"], meta["pp"], meta["dp"])) == (now := (lay.tp, lay.pp, lay.dp))
         mine = shard_name(lay, with_dp=True) if same else "dp0_pp0_tp0"  # another layout: rank 0's sampler, counters
         st = torch.load(os.path.join(path, f"state_{mine}.pt"), weights_only=False)
         for (role, _), n in zip(self._role_dirs(path), st["optim_steps"]):
@@ -800,9 +800,9 @@ class Trainer:
                 fn(st["rng"][k])
             if "cuda" in st["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state(st["rng"]["cuda"])
-        else:
-            print(f"[nanorl] resumed {path} saved with tp={meta['tp']} pp={meta['pp']} dp={meta['dp']} into "
-                  f"tp={lay.tp} pp={lay.pp} dp={lay.dp}", flush=True)
+        if self.rank == 0:  # (past total_steps it trains nothing)
+            print(f"[nanorl] resumed {path}: step {meta['step']} of trainer.total_steps={self.cfg.trainer.total_steps}"
+                  + ("" if same else f"; saved with (tp, pp, dp) = {was}, loaded into {now}"), flush=True)
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         self.nonfinite_skips, self.step, self.saved_row = st.get("nonfinite_skips", 0), st["step"], st.get("metrics")

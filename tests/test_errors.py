@@ -364,6 +364,11 @@ CASES = [
          _cfg("rollout.kv_cache_tokens=100", "data.max_prompt_length=64", "data.max_response_length=64"), ValueError,
          r"override 'data\.max_response_length=64': rollout\.kv_cache_tokens=100 < data\.max_prompt_length \+ "
          r"max_response_length = 128: it cannot hold one sequence"),
+    Case("config-negative-kv-cache", "rollout.kv_cache_tokens=-5 (found at the first generation, naming no key, "
+         "before)", _cfg("rollout.kv_cache_tokens=-5"), ValueError,
+         r"override 'rollout\.kv_cache_tokens=-5': rollout\.kv_cache_tokens=-5 must be >= 0"),
+    Case("config-critic-epochs", "critic.ppo_epochs=-2 (the actor's epochs, before)", _cfg("critic.ppo_epochs=-2"),
+         ValueError, r"override 'critic\.ppo_epochs=-2': critic\.ppo_epochs=-2 must be >= -1"),
     Case("config-micro-batch-under-one-sequence", "actor.max_tokens_per_micro_batch=100 (found after the first "
          "generation, before)", _cfg("actor.max_tokens_per_micro_batch=100", "data.max_prompt_length=64",
                                      "data.max_response_length=64"), ValueError,

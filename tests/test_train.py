@@ -188,6 +188,19 @@ def test_dapo_refill_keeps_groups_apart(synth, tmp_path):
     assert torch.equal(T["seq_reward"], T["score"] + torch.clamp(-(lengths - 2) / 2, max=0.0))
 
 
+def test_critic_ppo_epochs(small_synth, tmp_path):
+    """critic.ppo_epochs=0 freezes the critic (its values still feed GAE); -1, the default, takes the actor's 2."""
+    for epochs in (0, -1):
+        t = train.Trainer(train.load_config(CONFIG, overrides(small_synth, str(tmp_path / str(epochs)),
+                          "algorithm.adv_estimator=gae", "actor.ppo_epochs=2", f"critic.ppo_epochs={epochs}")))
+        before = [p.detach().clone() for p in t.critic.model.parameters()]
+        metrics = t.train_step()
+        moved = [not torch.equal(b, p) for b, p in zip(before, t.critic.model.parameters())]
+        steps = 0 if epochs == 0 else 2 * t.cfg.data.train_batch_size // t.cfg.actor.ppo_mini_batch_size
+        assert (t.critic.optim.step_count, t.actor.optim.step_count, any(moved)) == (steps, 4, steps > 0)
+        assert ("critic/vf_loss" in metrics) == (steps > 0) and "timing_s/values" in metrics
+
+
 @pytest.mark.parametrize("algo", [
     ["algorithm.adv_estimator=grpo"],
     ["algorithm.adv_estimator=gae"],
@@ -283,7 +296,8 @@ train.main(sys.argv[1:])
 
 def test_sigkill_while_saving_keeps_the_last_checkpoint(small_synth, tmp_path):
     """A process SIGKILLed half-way through a save publishes nothing: `latest` still names the previous
-    complete checkpoint, and auto-resume continues from it (and clears the stale step_4.tmp)."""
+    complete checkpoint, and auto-resume continues from it; its next save, of another step, clears the staging
+    directory the killed one left (about a checkpoint's size)."""
     out = str(tmp_path)
     common = ["trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.resume=auto"]
     run(small_synth, out, "trainer.total_steps=2", *common[1:])
@@ -295,11 +309,11 @@ def test_sigkill_while_saving_keeps_the_last_checkpoint(small_synth, tmp_path):
     ckpts = os.path.join(out, "checkpoints")
     assert open(os.path.join(ckpts, "latest")).read() == "2"
     left = sorted(os.listdir(ckpts))
-    assert left == ["latest", "step_2", "step_4.tmp"], (left, proc.stdout[-1500:])
-    rows = run(small_synth, out, *common)
+    assert left == ["latest", "saving.tmp", "step_2"], (left, proc.stdout[-1500:])
+    rows = run(small_synth, out, *common, "trainer.total_steps=3")
     # the killed run logged 3 (4 died in its save); the resumed one redid 3 and replaced its line: one line a step
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_4"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_3"]
 
 
 def test_sigkill_between_a_save_and_its_metrics_line_loses_no_line(small_synth, tmp_path):
