@@ -625,6 +625,8 @@ class Transformer(nn.Module):
         def read(name, j, hf, want):
             if hf not in where:
                 raise KeyError(f"{path}: tensor {hf!r} (for {name}) is not in the checkpoint")
+            if hf not in handles[where[hf]].keys():  # a hand-edited or merged index
+                raise KeyError(f"{index}: maps {hf!r} to {os.path.basename(where[hf])}, which does not hold it")
             sl = handles[where[hf]].get_slice(hf)
             if list(sl.get_shape()) != want:
                 raise ValueError(f"{where[hf]}: tensor {hf!r} has shape {sl.get_shape()}, expected {want} "

@@ -444,8 +444,9 @@ class Generator:
         """A cache of rows of max_len positions; one of `need` (<= max_len) instead if that gives more rows."""
         cfg, m = self.model.cfg, self.model
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
-            raise ValueError(f"max_len={max_len} exceeds the model's sliding_window={cfg.sliding_window}; "
-                             "sliding-window attention is not implemented")
+            raise ValueError(f"max_len={max_len}{'' if need is None else ' (the longest prompt + max_new_tokens - 1)'} "
+                             f"exceeds the model's sliding_window={cfg.sliding_window}; sliding-window attention is "
+                             "not implemented")
         per_token = KVCache.bytes_per_token(cfg, len(m.layers), m.layout.tp, self.dtype)
         budget = self.kv_cache_tokens
         if budget is None and self.device.type == "cuda":
@@ -540,7 +541,8 @@ class Generator:
         keys = torch.tensor([sample_key(*streams[p], j) for p, s, _ in chunk for j in s], device=dev)
         nxt, lp = self._sample(logits[torch.tensor(which, device=dev)], keys, plen)
         limit = torch.tensor([max_new[p] for p, s, _ in chunk for _ in s], device=dev)
-        self.tok[rows], self.lengths[rows], self.keys[rows], self.max_new[rows] = nxt, (plen + 1).int(), keys, limit
+        length = (plen + 1).clamp(max=self.cache.max_len)  # (a prompt filling its row: one new token, never fed)
+        self.tok[rows], self.lengths[rows], self.keys[rows], self.max_new[rows] = nxt, length.int(), keys, limit
         self.out_tok[rows, 0], self.out_lp[rows, 0], self.ngen[rows] = nxt, lp, 1
         self.done[rows] = (nxt[:, None] == self.stop_ids).any(-1) | (limit <= 1)
         self.stats["prefill_forwards"] += 1
@@ -554,7 +556,7 @@ class Generator:
         `max_new_tokens` optionally overrides params.max_new_tokens per prompt. Prompt p's draws are keyed by
         (params.seed, p), or with per-request `seeds` by seeds[p] alone, independent of the rest of the batch."""
         params.check()
-        if not prompts:
+        if len(prompts) == 0:  # (not `not prompts`: a 2-D array of equal-length prompts is ambiguous)
             return []
         max_new = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, (list, tuple)) or len(max_new) != len(prompts) or not all(
@@ -571,16 +573,16 @@ class Generator:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one prompt token")
             if bad := [t for t in p if not (isinstance(t, Integral) and 0 <= t < V)]:  # (numpy ints too; no floats)
                 raise ValueError(f"prompt {i}: token id {bad[0]!r} is not an int in the model's vocabulary 0..{V - 1}")
-            if self.fixed_len is not None and len(p) + max_new[i] > self.fixed_len:
+            if self.fixed_len is not None and len(p) + max_new[i] - 1 > self.fixed_len:  # the last token is not fed
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} it needs "
-                                 f"{len(p) + max_new[i]} cache positions but the Generator's max_len={self.fixed_len}")
+                                 f"{len(p) + max_new[i] - 1} cache positions, the Generator's max_len={self.fixed_len}")
         stops = sorted({int(t) for t in params.stop_token_ids} |
                        (set() if params.ignore_eos else {int(t) for t in _as_tuple(eos_token_ids)}))
         if bad := [t for t in params.stop_token_ids if not 0 <= t < V]:
             raise ValueError(f"SamplingParams.stop_token_ids: id {bad[0]} is outside the model's vocabulary 0..{V - 1}")
         if len(stops) > MAX_STOP_IDS:
             raise ValueError(f"{len(stops)} stop/EOS token ids given; at most {MAX_STOP_IDS} are supported")
-        need = max(len(p) + m for p, m in zip(prompts, max_new))
+        need = max(len(p) + m - 1 for p, m in zip(prompts, max_new))
         if self.cache is None or (self.fixed_len is None and need > self.cache.max_len):
             if self.cache is not None:
                 self.free()
@@ -733,6 +735,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     tok, texts = load_tokenizer(args.model_dir), args.prompt
+    if args.chat and tok.chat_template is None:
+        ap.error(f"--chat: the tokenizer in {args.model_dir} has no chat template")
     if args.chat:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                  for t in texts]
@@ -741,7 +745,10 @@ def main(argv: list[str] | None = None) -> None:
     gen = Generator(model, max_rows=len(prompts) * args.n, vocab_size=min(len(tok), model.cfg.vocab_size))
     eos = eos_token_ids(args.model_dir, tok)
     t0 = time.perf_counter()
-    comps = gen.generate(prompts, params, eos_token_ids=eos, progress=args.max_new_tokens * args.n > 512)
+    try:
+        comps = gen.generate(prompts, params, eos_token_ids=eos, progress=args.max_new_tokens * args.n > 512)
+    except ValueError as e:  # an empty prompt, or one too long for a sliding window: a usage error
+        ap.error(str(e))
     dt = time.perf_counter() - t0
     for c in comps:
         print(f"=== prompt {c.prompt_index} sample {c.sample_index} ({len(c.token_ids)} tokens, {c.finish_reason}, "

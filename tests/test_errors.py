@@ -169,6 +169,16 @@ def _truncated_hf(env, tmp):
     return load_model(d)
 
 
+def _index_names_the_wrong_file(env, tmp):
+    from safetensors.torch import save_file
+    d = _model_dir(tmp, _synth_config(env), weights_from=env.hf)
+    index = os.path.join(d, "model.safetensors.index.json")
+    save_file({"x": torch.zeros(1)}, os.path.join(d, "extra.safetensors"))
+    meta = json.load(open(index))
+    json.dump({**meta, "weight_map": {**meta["weight_map"], "model.norm.weight": "extra.safetensors"}}, open(index, "w"))
+    return load_model(d)
+
+
 def _tied_with_its_own_head(env, tmp):
     """The synthetic model is tied; its export plus an lm_head.weight: the same tensor loads, another one is refused."""
     from safetensors.torch import load_file, save_file
@@ -511,6 +521,9 @@ CASES = [
          r"model directory '.*model' has no \*\.safetensors weights"),
     Case("model-truncated-weights", "model-00001-of-00001.safetensors cut in half", _truncated_hf, ValueError,
          r"model-00001-of-00001\.safetensors: .*(truncated|corrupt)"),
+    Case("model-index-wrong-file", "model.safetensors.index.json maps model.norm.weight to a file without it "
+         "(safetensors' error, naming no file, before)", _index_names_the_wrong_file, KeyError,
+         r"model\.safetensors\.index\.json: maps 'model\.norm\.weight' to extra\.safetensors, which does not hold it"),
     Case("model-tied-head-differs", "tie_word_embeddings: true, an lm_head.weight other than the embedding",
          _tied_with_its_own_head, ValueError, r"model: config\.json has tie_word_embeddings=true, but the "
          r"checkpoint's lm_head\.weight differs from model\.embed_tokens\.weight; set it to false to load both"),

@@ -393,5 +393,5 @@ def test_sequence_of_exactly_the_sliding_window_runs_and_matches_transformers(tm
     got = Generator(ours, max_rows=1).generate([prompt], SamplingParams(temperature=0, max_new_tokens=6))
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, min_new_tokens=6,
-                            eos_token_id=None, pad_token_id=0)
+                            eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, W - 6, dtype=torch.long))
     assert got[0].token_ids == want[0, len(prompt):].tolist()

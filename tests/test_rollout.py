@@ -1,8 +1,11 @@
 """rollout.py: greedy parity with transformers, continuous batching, log-probs against teacher forcing,
 sampling statistics and masks, stops, prefill sharing, tensor parallelism, CUDA graphs (GPU only)."""
 import dataclasses
+import glob
 import json
 import math
+import os
+import re
 import types
 
 import numpy as np
@@ -57,7 +60,7 @@ def test_greedy_matches_transformers(family, tmp_path):
     for p, c in zip(prompts, got):
         with torch.no_grad():
             out = ref.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, eos_token_id=eos,
-                               pad_token_id=eos)
+                               pad_token_id=eos, attention_mask=torch.ones(1, len(p), dtype=torch.long))
         want = out[0, len(p):].tolist()
         assert c.token_ids == want, (family, c.prompt_index)
         assert c.finish_reason == ("stop" if want[-1] == eos else "length")
@@ -345,6 +348,8 @@ def test_per_request_seeds_do_not_depend_on_the_batch(model):
     assert tokens(gen.generate(as_np, params, seeds=list(np.array([11, 22, 33])))) == whole
     with pytest.raises(ValueError, match=r"prompt 0: token id \S*3\.0\S* is not an int"):
         gen.generate([np.array([3.0, 1.0])], params)
+    same_length = rand_prompts((5, 5), seed=13)  # one 2-D array (its truth value is ambiguous)
+    assert tokens(gen.generate(np.array(same_length), params)) == tokens(gen.generate(same_length, params))
 
 
 def test_samples_read_their_prompt_from_one_row(model, monkeypatch):
@@ -371,7 +376,7 @@ def test_samples_read_their_prompt_from_one_row(model, monkeypatch):
 
 def test_errors_name_the_problem(model):
     gen = Generator(model, max_rows=2, max_len=16)
-    with pytest.raises(ValueError, match="prompt 1 has 12 tokens.*max_new_tokens=8.*needs 20.*max_len=16"):
+    with pytest.raises(ValueError, match="prompt 1 has 12 tokens.*max_new_tokens=8.*needs 19.*max_len=16"):
         gen.generate([[1, 2], list(range(12))], SamplingParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         gen.generate([[]], SamplingParams(max_new_tokens=2))
@@ -394,13 +399,14 @@ def test_errors_name_the_problem(model):
 
 
 def test_cache_sized_at_first_use_keeps_the_rows_its_budget_holds(model):
-    # sized to the need rounded up to 64 positions (room to grow), unless that costs rows
+    # sized to the need rounded up to 64 positions (room to grow), unless that costs rows; the need is prompt +
+    # max_new_tokens - 1 positions (the last token is never fed back)
     prompts = rand_prompts((60,), seed=5)
-    gen = Generator(model, max_rows=4, kv_cache_tokens=100)  # 70 positions needed: 100 holds one row, 128 none
+    gen = Generator(model, max_rows=4, kv_cache_tokens=100)  # 69 positions needed: 100 holds one row, 128 none
     gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
-    assert (gen.cache.rows, gen.cache.max_len) == (1, 70)
+    assert (gen.cache.rows, gen.cache.max_len) == (1, 69)
     gen = Generator(model, max_rows=16, kv_cache_tokens=1000)
-    gen.generate(rand_prompts((55,) * 16, seed=6), SamplingParams(temperature=0, max_new_tokens=10))
+    gen.generate(rand_prompts((56,) * 16, seed=6), SamplingParams(temperature=0, max_new_tokens=10))
     assert (gen.cache.rows, gen.cache.max_len) == (15, 65)  # 1000 // 65, not 1000 // 128 = 7
     gen = Generator(model, max_rows=4)  # no budget on CPU: max_rows rows, rounded up
     gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
@@ -424,6 +430,26 @@ def test_cli_names_a_missing_directory_or_tokenizer(tmp_path):
         rollout.main([path, "--prompt", "hi"])
 
 
+def test_cli_usage_errors_after_loading(tmp_path, capsys, monkeypatch):
+    """What the CLI sees only once the tokenizer is loaded: an empty prompt, a prompt + --max-new-tokens past the
+    model's sliding window (worded in the CLI's terms), --chat without a chat template: a usage line, exit 2."""
+    monkeypatch.setattr(rollout.torch.cuda, "is_available", lambda: False)
+    path = helpers.make_checkpoint(str(tmp_path / "m"), "mistral", sliding_window=16)
+    for args, msg in ((["--prompt", ""], "prompt 0 is empty"),
+                      (["--prompt", "hello", "--max-new-tokens", "40"], r"max_len=44 \(the longest prompt \+ "
+                       r"max_new_tokens - 1\) exceeds the model's sliding_window=16"),
+                      (["--prompt", "hello", "--chat"], "--chat: the tokenizer in .* has no chat template")):
+        if "--chat" in args:  # the template lives in chat_template.jinja or in tokenizer_config.json
+            for f in glob.glob(os.path.join(path, "chat_template.*")):
+                os.remove(f)
+            conf = json.load(open(os.path.join(path, "tokenizer_config.json")))
+            conf.pop("chat_template", None)
+            json.dump(conf, open(os.path.join(path, "tokenizer_config.json"), "w"))
+        with pytest.raises(SystemExit) as e:
+            rollout.main([path, *args])
+        assert e.value.code == 2 and re.search(msg, capsys.readouterr().err), args
+
+
 def test_eos_token_ids_join_the_tokenizer_config_and_generation_config(tmp_path):
     (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
     assert rollout.eos_token_ids(str(tmp_path), types.SimpleNamespace(eos_token_id=7)) == [7]
@@ -437,14 +463,16 @@ def test_sliding_window_model_fits_when_the_sequence_does(tmp_path):
     path = helpers.make_checkpoint(str(tmp_path), "mistral", with_tokenizer=False, sliding_window=100)
     ours, ref = load_model(path).eval(), helpers.hf_model(path)
     prompt = rand_prompts((80,), seed=3)[0]
-    gen = Generator(ours, max_rows=2)  # 90 positions needed: the cache must not round up past the window
-    got = gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10), eos_token_ids=[258])
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=258,
-                            pad_token_id=258)
-    assert got[0].token_ids == want[0, 80:].tolist() and gen.cache.max_len <= 100
-    with pytest.raises(ValueError, match="max_len=101 exceeds the model's sliding_window=100"):
-        gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=21))
+    for new in (10, 21):  # 89 positions needed: the cache must not round up past the window; 100: the window's
+        gen = Generator(ours, max_rows=2)
+        got = gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=new), eos_token_ids=[258])
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new, eos_token_id=258,
+                                pad_token_id=258, attention_mask=torch.ones(1, 80, dtype=torch.long))
+        assert got[0].token_ids == want[0, 80:].tolist() and gen.cache.max_len <= 100
+    with pytest.raises(ValueError, match=r"max_len=101 \(the longest prompt \+ max_new_tokens - 1\) exceeds the "
+                                         r"model's sliding_window=100"):
+        gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=22))
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -500,6 +528,9 @@ def test_cuda_graphs_match_eager_and_free_releases_memory(ckpt):
                                                              top_p=0.8))]
         assert (gen.stats["graphs_captured"] > 0) == graphs
         gen.free()
+        edge = Generator(model, max_rows=4, max_len=60, use_cuda_graphs=graphs)  # the 60-token prompt fills its row
+        outs[graphs].append(edge.generate(prompts, SamplingParams(temperature=0), max_new_tokens=[20] * 4 + [1, 20]))
+        edge.free()
         assert torch.cuda.memory_allocated() == base
     for a, b in zip(outs[False], outs[True]):
         assert tokens(a) == tokens(b)
@@ -771,13 +802,18 @@ def test_cli_uses_seed_and_stops_at_the_generation_config_eos(tmp_path, capsys, 
 
 
 def test_limits_accept_their_boundary_values(model):
-    """MAX_STOP_IDS (64) stop ids are accepted, 65 are not; a prompt + max_new_tokens of exactly the Generator's
-    max_len fits (it needs max_len - 1 cache positions: the last token is never fed back)."""
-    prompt = rand_prompts((5,), seed=41)[0]
-    greedy = SamplingParams(temperature=0, max_new_tokens=11)
-    want = Generator(model, max_rows=1).generate([prompt], greedy)[0].token_ids
-    got = Generator(model, max_rows=1, max_len=16).generate([prompt], greedy)[0]
-    assert got.token_ids == want and len(want) == 11
+    """MAX_STOP_IDS (64) stop ids are accepted, 65 are not; a prompt + max_new_tokens of the Generator's max_len + 1
+    fits (the last token is never fed back), one more does not; a prompt that fills its row draws one token beside a
+    row that goes on decoding."""
+    prompt, full = rand_prompts((5, 16), seed=41)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    want = Generator(model, max_rows=2).generate([full, prompt], greedy, max_new_tokens=[1, 12])
+    gen = Generator(model, max_rows=2, max_len=16)
+    got = gen.generate([full, prompt], greedy, max_new_tokens=[1, 12])
+    assert tokens(got) == tokens(want) and [len(c.token_ids) for c in got] == [1, 12]
+    with pytest.raises(ValueError, match="prompt 0 has 5 tokens; with max_new_tokens=13 it needs 17 cache positions"):
+        gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=13))
+    want = want[1].token_ids
     cap = rollout.MAX_STOP_IDS
     assert cap == 64
     ok = tuple(t for t in range(272) if t not in want[:3])[:cap]
