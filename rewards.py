@@ -104,7 +104,7 @@ def strip_math_string(s: str) -> str:
     s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
     # a trailing unit: 5\text{ cm}, 5\mathrm{cm}; not one \mathrm letter, a constant as often as a unit (2\mathrm{i});
     # verl's rule first: a \text{ ...} opening with a space is a unit, whatever it holds (5\text{ m/s}, 4\text{ p.m.})
-    s = re.sub(r"^(.+?)\\text\{ [^{}]*\}\.?$", r"\1", s)
+    s = re.sub(r"^(.+?)\\text\{ [^{}]*\}(\^\{?-?\d+\}?)?\.?$", r"\1", s)
     s = re.sub(r"^(.+?)\\(?:text\{|mbox\{|mathrm\{(?=\s*[a-zA-Z]\s*[a-zA-Z]))[a-zA-Z\s]*\}(\^\{?\d\}?)?$", r"\1", s)
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s).strip().rstrip(".").strip()  # \text{word}
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
@@ -153,10 +153,11 @@ def math_score(solution_str: str, ground_truth: str) -> float:
 
 
 # DAPO normalizes answers as Minerva does (Lewkowycz et al. 2022, appendix D): these rewrites, then these words and
-# marks deleted wherever they occur (units, mostly), then the insides of $..$, \text, \textbf, \overline, \boxed kept
+# marks deleted wherever they occur (units, mostly; not Minerva's "ft", as in verl: it cut \left to \le), then the
+# insides of $..$, \text, \textbf, \overline, \boxed kept
 MINERVA_REWRITES = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
                     (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
-MINERVA_DELETED = ("square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units", "\\ldots",
+MINERVA_DELETED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
                    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
                    "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
                    "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
@@ -267,17 +268,18 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
     """Score every sample; returns (scores, extras, num_errors).
 
     A dict result gives its "score"; its other numeric keys (bools count) go to `extras`, one list per key aligned with
-    the batch (None where a sample lacked the key). A scorer that raises is logged and scores 0.0. A result that is
-    neither a number nor a dict with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
+    the batch (None where a sample lacked the key). A scorer that raises is logged and scores 0.0, its extras too (a
+    DAPO filter on "acc" would otherwise stop on one malformed sample). A result that is neither a number nor a dict
+    with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
     extra_infos = [None] * len(solution_strs) if extra_infos is None else extra_infos
-    scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, the numeric extras of its dict result
+    scores, extra_rows, failed = [], [], []  # extra_rows: per sample, the numeric extras of its dict result
     for i in range(len(solution_strs)):
         try:
             result = reward_fn(data_source=data_sources[i], solution_str=solution_strs[i],
                                ground_truth=ground_truths[i], extra_info=extra_infos[i])
         except Exception as e:  # one malformed sample must not end a long run
             logger.warning("reward function failed on sample %d (data_source=%r): %r", i, data_sources[i], e)
-            num_errors += 1
+            failed.append(i)
             result = 0.0
         if isinstance(result, _NUMBER):
             result = {"score": result}
@@ -290,4 +292,5 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
         scores.append(score)
         extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, _NUMBER)})
     keys = dict.fromkeys(k for row in extra_rows for k in row)  # in order of first appearance
-    return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, num_errors
+    extra_rows = [dict.fromkeys(keys, 0.0) if i in failed else row for i, row in enumerate(extra_rows)]
+    return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, len(failed)

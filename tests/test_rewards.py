@@ -148,6 +148,8 @@ def test_math_score(solution, truth, expected):
     ("Answer: $x = 12$", "12", 1.0, "12"),
     ("Answer: 43", "42", -1.0, "43"),
     ("Answer: 42", "\\boxed{42}", 1.0, "42"),  # a boxed ground truth is unboxed
+    ("Answer: (3, \\frac{\\pi}{2})", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0, "(3,\\frac{\\pi}{2})"),  # as for MATH
+    ("Answer: \\left[ 1, 2 \\right)", "[1, 2)", 1.0, "\\left[1,2\\right)"),  # not "ft" deleted: \left kept
     ("I think it is 42", "42", -1.0, "[INVALID]"),
     ("Answer: 42\n" + "more text " * 40, "42", -1.0, "[INVALID]"),  # outside the last 300 characters
 ])
@@ -244,7 +246,8 @@ def test_score_batch(caplog):
     assert errors == 1
     assert "malformed sample" in caplog.text and "synthetic/copy" in caplog.text
     # numeric extras (bools included) aligned with the batch; strings ("pred") are skipped
-    assert extras == {"acc": [None, None, 1.0, 0.0], "len": [None, None, 3.0, None]}
+    # the failed sample's extras are 0.0, like its score (a DAPO filter on "acc" must not see it lacking the key)
+    assert extras == {"acc": [None, 0.0, 1.0, 0.0], "len": [None, 0.0, 3.0, None]}
 
     # numpy's bool is not a numbers.Real: it must count as a number all the same (np.isclose(...) as a score)
     scores, extras, _ = R.score_batch(lambda **kw: {"score": np.bool_(True), "acc": np.bool_(False), "n": np.int64(3)},
@@ -290,6 +293,9 @@ def test_gsm8k_ground_truth_commas_are_dropped():
     ("4\\text{ p.m.}", "4", True),
     ("5\\text{ cm}.", "5", True),
     ("42\\text{ (units)}", "42", True),
+    ("10\\text{ m/s}^2", "10", True),  # with an exponent after it, and a period
+    ("6\\text{ cm}^2.", "6", True),
+    ("5\\text{ cm}^{-1}", "5", True),
     ("2 \\text{ and } 3", "2", False),
 ])
 def test_math_equivalence_more(a, b, expected):
