@@ -373,21 +373,24 @@ class VocabParallelEmbedding(nn.Module):
 
 def _logit_stats(logits, local, own, temperature: float):
     """Per token, over this rank's vocabulary slice of z = logits / temperature: the max m, s = sum exp(z - m),
-    w = sum exp(z - m) * z and z at the target (0 where another rank owns it). One read of the logits when
+    w = sum exp(z - m) * (z - m) and z at the target (0 where another rank owns it). One read of the logits when
     compiled; no [T, V] tensor outlives it."""
     z = logits.float() / temperature
     m = z.amax(-1)
-    e = torch.exp(z - m.unsqueeze(-1))
+    d = z - m.unsqueeze(-1)  # shifted by the slice's max: no cancellation of ~|z| in the entropy
+    e = torch.exp(d)
     z_t = z.gather(-1, local.unsqueeze(-1)).squeeze(-1) * own
-    return m, e.sum(-1), (e * z).sum(-1), z_t
+    return m, e.sum(-1), (e * d).sum(-1), z_t
 
 
-def _logit_grad(logits, local, own, lse, ez, g_logp, g_ent, temperature: float):
-    """d/dlogits of g_logp * log p(t) + g_ent * H, recomputing p from the logits (nothing [T, V] was saved)."""
+def _logit_grad(logits, local, own, vmax, log_s, ent, g_logp, g_ent, temperature: float):
+    """d/dlogits of g_logp * log p(t) + g_ent * H, recomputing p from the logits (nothing [T, V] was saved).
+    z - E_p[z] = log p + H, with log p = (z - M) - log S: no term of size |z| cancels."""
     z = logits.float() / temperature
-    p = torch.exp(z - lse.unsqueeze(-1))
+    logp = (z - vmax.unsqueeze(-1)) - log_s.unsqueeze(-1)
+    p = torch.exp(logp)
     hit = (torch.arange(z.shape[-1], device=z.device) == local.unsqueeze(-1)) & own.unsqueeze(-1)
-    grad = hit * g_logp.unsqueeze(-1) - p * (g_logp.unsqueeze(-1) + g_ent.unsqueeze(-1) * (z - ez.unsqueeze(-1)))
+    grad = hit * g_logp.unsqueeze(-1) - p * (g_logp.unsqueeze(-1) + g_ent.unsqueeze(-1) * (logp + ent.unsqueeze(-1)))
     return (grad / temperature).to(logits.dtype)
 
 
@@ -406,8 +409,10 @@ def fused(fn, x: torch.Tensor):
 
 class _VocabParallelLogProb(torch.autograd.Function):
     """log p(target) and the entropy of softmax(logits / temperature) over a TP-split vocabulary. The ranks'
-    statistics combine as M = max_r m_r, S = sum_r s_r exp(m_r - M), W = sum_r w_r exp(m_r - M), so lse =
-    M + log S and E_p[z] = W / S. Saves only the logits (as given, bf16 on GPU) and [T] vectors for the backward."""
+    statistics combine as M = max_r m_r, S = sum_r s_r exp(m_r - M), W = sum_r (w_r + (m_r - M) s_r) exp(m_r - M),
+    so log p(t) = z_t - M - log S and H = log S - W / S: every term is shifted by a max, none of size |z| cancels
+    (H as lse - E_p[z] lost ~1e-5 to fp32 rounding at z ~ 60). Saves only the logits (as given, bf16 on GPU) and [T]
+    vectors for the backward."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, temperature):
@@ -418,15 +423,16 @@ class _VocabParallelLogProb(torch.autograd.Function):
         own, local = (local >= 0) & (local < n), local.clamp(0, n - 1)
         m, s, w, z_t = fused(_logit_stats, logits)(logits, local, own, temperature)
         vmax = all_reduce(m.clone(), group, dist.ReduceOp.MAX)
-        s, w = all_reduce(torch.stack([s, w]) * torch.exp(m - vmax), group)  # rescaled to the global max, summed
-        lse, ez = vmax + s.log(), w / s
-        ctx.save_for_backward(logits, local, own, lse, ez)
+        s, w = all_reduce(torch.stack([s, w + (m - vmax) * s]) * torch.exp(m - vmax), group)  # E_p[z - M] parts
+        log_s = s.log()
+        ent = log_s - w / s
+        ctx.save_for_backward(logits, local, own, vmax, log_s, ent)
         ctx.temperature = temperature
-        return all_reduce(z_t, group) - lse, lse - ez
+        return (all_reduce(z_t, group) - vmax) - log_s, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        logits = ctx.saved_tensors[0]  # then local, own, lse, ez: _logit_grad's arguments in order
+        logits = ctx.saved_tensors[0]  # then local, own, vmax, log_s, ent: _logit_grad's arguments in order
         grad = fused(_logit_grad, logits)(*ctx.saved_tensors, g_logp.contiguous(), g_ent.contiguous(), ctx.temperature)
         return grad, None, None, None
 
