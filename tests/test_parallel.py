@@ -519,9 +519,9 @@ def test_fused_kernels_match_eager_cpu():
     same bf16 values."""
     import model
     from parallel import fused
-    args = vocab_inputs(2)
-    cuda_args = [a.cuda() if torch.is_tensor(a) else a for a in args]
-    check_vocab([{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in _vocab_case(*cuda_args).items()}], *args)
+    for args in (vocab_inputs(2), vocab_inputs(4, scale=20.0, temperature=0.3)):
+        cuda_args = [a.cuda() if torch.is_tensor(a) else a for a in args]
+        check_vocab([{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in _vocab_case(*cuda_args).items()}], *args)
     big = (torch.randn(300, 5000) * 4).bfloat16()
     t, w, we = torch.randint(0, 5000, (300,)), torch.randn(300), torch.randn(300)
     on_gpu = _vocab_case(big.cuda(), t.cuda(), w.cuda(), we.cuda(), 0.9)
