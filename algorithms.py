@@ -23,8 +23,8 @@ exploded cannot produce an unbounded loss. DAPO's "clip-higher" is clip_ratio_hi
 Aggregation (`loss_agg_mode`) turns the B x T loss matrix into a scalar. The trainer splits a mini-batch into
 micro-batches spread over data-parallel ranks and adds up their gradients, so each micro-batch must divide its
 *local sum* by the *global* count of the whole mini-batch; then the sum over micro-batches and ranks equals the
-loss computed in one shot, whatever the split. Each micro-batch reports `loss_denominator` (its local count), the
-trainer all-reduces the sum into `global_denominator`, and `agg_loss` divides by it:
+loss computed in one shot, whatever the split. The trainer takes `loss_denominator` of the whole mini-batch (every
+rank holds all of it, so no collective is needed) as the global count, and `agg_loss` divides by it:
   token-mean               sum_{i,t} m L / N_tokens
   seq-mean-token-sum       sum_i (sum_t m L) / N_seqs
   seq-mean-token-mean      sum_i (sum_t m L / sum_t m) / N_seqs
@@ -189,8 +189,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 
 def loss_denominator(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
-    """Local count of this micro-batch: valid tokens (token-mean) or rows with >= 1 valid token (seq-*).
-    The trainer sums it over all micro-batches and DP ranks of a mini-batch into `global_denominator`."""
+    """The count a loss is divided by: valid tokens (token-mean) or rows with >= 1 valid token (seq-*). The trainer
+    takes it of a whole mini-batch, over all its micro-batches and DP ranks."""
     if loss_agg_mode == "token-mean":
         return float(response_mask.to(torch.float64).sum())
     elif loss_agg_mode in LOSS_AGG_MODES:

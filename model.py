@@ -249,13 +249,14 @@ except ImportError:
     TORCH_VARLEN, _VARLEN_PARAMS = None, {}
 
 
-def attention_backend(device: torch.device, requested: str = "auto") -> str:
-    """'flash' (flash_attn), 'varlen' (torch varlen_attn, CUDA) or 'sdpa'; 'auto' takes the first available."""
-    cuda = device.type == "cuda"
-    avail = [name for name, ok in (("flash", cuda and FLASH_ATTN is not None),
-                                   ("varlen", cuda and TORCH_VARLEN is not None), ("sdpa", True)) if ok]
+def attention_backend(device: torch.device, requested: str = "auto", dtype=torch.bfloat16) -> str:
+    """'flash' (flash_attn), 'varlen' (torch varlen_attn, CUDA) or 'sdpa'; 'auto' takes the first available. The
+    flash kernels take fp16 and bf16 only: an fp32 model (actor.dtype: fp32, for debugging) runs SDPA on GPU too."""
+    flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    avail = [name for name, ok in (("flash", flash and FLASH_ATTN is not None),
+                                   ("varlen", flash and TORCH_VARLEN is not None), ("sdpa", True)) if ok]
     if requested != "auto" and requested not in avail:
-        raise ValueError(f"attention backend {requested!r} is not available on {device}; available: {avail}")
+        raise ValueError(f"attention backend {requested!r} is not available on {device} in {dtype}; available: {avail}")
     return avail[0] if requested == "auto" else requested
 
 
@@ -545,7 +546,8 @@ class Transformer(nn.Module):
         for p in self.value_head.parameters() if self.value_head is not None else ():
             p.tp_dim, p.tp_parts, p.tp_unit = None, None, 1
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
-        self.gradient_checkpointing, self.attn_backend = False, attention_backend(torch.device(device or "cpu"))
+        self.gradient_checkpointing, self.attn_backend = False, attention_backend(torch.device(device or "cpu"),
+                                                                                  dtype=dtype)
 
     # --- forward passes
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttnContext) -> torch.Tensor:

@@ -26,16 +26,17 @@ Every parameter carries its shard description: `tp_dim` (0 for column, 1 for row
 (the full sizes of the fused pieces along tp_dim, e.g. q, k, v of a fused qkv: each is split separately on head
 boundaries, and the local shard concatenates the local pieces) and `tp_unit` (the rows a piece splits on: head_dim
 for q, k, v). Loading, resharding and export all follow this rule (`tp_rows`). A piece with fewer units than ranks (KV
-heads when tp > num_kv_heads, as Qwen2.5-7B's 4 at tp = 8) is replicated: each of its heads is held by tp / num_kv_heads
+heads when tp > num_kv_heads, as Qwen2.5-3B's 2 at tp = 8) is replicated: each of its heads is held by tp / num_kv_heads
 neighbouring ranks, each of which sees only its own query heads, so the head's gradient is summed over its holders.
 
 Log-probs over a split vocabulary
 ---------------------------------
 With z = logits / temperature split over tp ranks, log p(t) = z_t - log sum_j exp z_j needs only three all-reduces
 of one number per token, never gathering the logits: the max (for stability), the sum of exp(z - max), and z_t
-itself (the rank that owns token t contributes it, the others zero). The entropy H = logsumexp(z) - sum_j p_j z_j
-rides along with the sum (one more number in the same all-reduce). The backward is local too, recomputed from the
-logits rather than stored: d log p(t)/dz = onehot(t) - p and dH/dz = -p * (z - E_p[z]).
+itself (the rank that owns token t contributes it, the others zero). The entropy H = logsumexp(z) - E_p[z] rides
+along with the sum (one more number in the same all-reduce), both taken of z - max so that no two numbers of size
+|z| cancel. The backward is local too, recomputed from the logits rather than stored: d log p(t)/dz = onehot(t) - p
+and dH/dz = -p * (z - E_p[z]) = -p * (log p + H).
 
 Pipeline parallelism: the 1F1B schedule
 ---------------------------------------
@@ -818,8 +819,9 @@ class ShardedAdamW:
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int = 0, schedule: str = "constant",
           min_lr_ratio: float = 0.0) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup from lr/warmup_steps to lr over
-    warmup_steps, then constant, cosine or linear decay to min_lr_ratio * lr at total_steps."""
+    """Learning rate at training step `step` (0-based; every optimizer step of a training step uses it): linear
+    warmup from lr/warmup_steps to lr over warmup_steps, then constant, cosine or linear decay to min_lr_ratio * lr
+    at total_steps."""
     if schedule not in ("constant", "cosine", "linear"):
         raise ValueError(f"lr schedule {schedule!r} is not one of 'constant', 'cosine', 'linear'")
     if step < warmup_steps:

@@ -447,7 +447,8 @@ CASES = [
     # --- layout: parallel.validate_layout(mcfg, tp, pp, world, name)
     Case("layout-world-not-divisible", "tp=3, pp=1 on 4 ranks",
          lambda env, tmp: validate_layout(_mcfg(env), 3, 1, 4, name="actor"), ValueError,
-         r"actor: world size 4 is not divisible by tp\*pp = 3\*1; valid"),
+         r"actor: world size 4 is not divisible by tp\*pp = 3\*1; valid tp sizes for this model with pp=1: "
+         r"\[1, 2, 4\]"),
     Case("layout-heads-not-divisible", "tp=8 (4 attention heads) on 8 ranks",
          lambda env, tmp: validate_layout(_mcfg(env), 8, 1, 8, name="actor"), ValueError,
          r"actor: num_attention_heads=4 is not divisible by tp=8; valid tp sizes for this model and 8 ranks: "
