@@ -256,6 +256,9 @@ class PromptDataset:
                         if backend is not None else self.tokenizer(chunk, add_special_tokens=False)["input_ids"])
         kept = []  # (row, ids, reward_model) of each prompt that stays
         for row, (ids, rm, (f, r)) in enumerate(zip(all_ids, rewards, origin)):
+            if not ids:  # found here, not when the sampler first draws it hours into a run
+                raise ValueError(f"{f}: row {r}: the prompt renders to no tokens (an empty message under a bare "
+                                 "chat template?)")
             if len(ids) > self.max_prompt_length:
                 if self.filter_overlong:
                     continue

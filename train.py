@@ -70,7 +70,7 @@ class DataConfig:
     val_files: list = field(default_factory=list)
     train_batch_size: int = 16          # prompts per step
     val_batch_size: int = 256           # prompts per validation generate() call
-    val_max_samples: int = -1           # cap the validation set (-1: all)
+    val_max_samples: int = -1           # validate on a seeded random subset of this size (<= 0: all), as verl
     max_prompt_length: int = 512
     max_response_length: int = 512
     truncation: str = "error"           # error | left | right | middle
@@ -705,11 +705,11 @@ class Trainer:
 
     # --- validation
     def validate(self) -> dict:
-        cfg, vd = self.cfg, self.val_data
-        n = len(vd) if cfg.data.val_max_samples < 0 else min(len(vd), cfg.data.val_max_samples)
+        cfg, vd, cap = self.cfg, self.val_data, self.cfg.data.val_max_samples  # (a subset: every file has its share)
+        idx = np.sort(np.random.default_rng(cfg.data.seed).permutation(len(vd))[:cap] if cap > 0 else range(len(vd)))
         by_src, records = {}, []  # scores by data source; the first 64 samples, written out
-        for start in range(0, n, cfg.data.val_batch_size):
-            items = vd.get_batch(list(range(start, min(n, start + cfg.data.val_batch_size))))
+        for start in range(0, len(idx), cfg.data.val_batch_size):
+            items = vd.get_batch(idx[start:start + cfg.data.val_batch_size].tolist())
             batch = self.generate(items, seed=cfg.trainer.seed + start, val=True)  # a seed per batch, each validation
             scores, _, _, texts = self.score(batch)
             for i in range(len(batch)):

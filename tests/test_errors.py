@@ -13,6 +13,7 @@ Everything is built once per module from the synthetic task's tiny model (2 laye
 """
 from __future__ import annotations
 
+import copy
 import errno
 import glob
 import importlib.util
@@ -212,6 +213,14 @@ def _parquet(tmp, name: str, rows: list[dict]) -> str:
     p = os.path.join(tmp, name)
     pq.write_table(pa.Table.from_pylist(rows), p)
     return p
+
+
+def _renders_empty(env, tmp):
+    """Under a bare template ({{ content }} alone) an empty message is a prompt of no tokens."""
+    tok = copy.deepcopy(env.tok)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rows = [{"prompt": text, "data_source": "t", "reward_model": {"ground_truth": "1"}} for text in ("copy 1", "")]
+    return data.PromptDataset([_parquet(tmp, "blank.parquet", rows)], tok, 16, cache_dir=os.path.join(tmp, "cache"))
 
 
 def _empty_parquet(env, tmp) -> str:  # the synthetic task's columns, no rows
@@ -571,6 +580,9 @@ CASES = [
          lambda env, tmp: _dataset(env, tmp, [_parquet(tmp, "nogt.parquet", [
              {"prompt": "hi", "data_source": "t", "reward_model": {"style": "rule"}}])]), ValueError,
          r"nogt\.parquet: row 0: reward_model must be a struct with a ground_truth", _cache_leftovers),
+    Case("data-prompt-renders-empty", "an empty message under a bare chat template (the run stopped in generation "
+         "when the sampler first drew it, naming a position in the batch, before)", _renders_empty, ValueError,
+         r"blank\.parquet: row 1: the prompt renders to no tokens", _cache_leftovers),
     Case("data-cache-disk-full", "disk full while writing the prompt cache",
          _disk_full("pyarrow.ipc.new_file", lambda env, tmp: _dataset(env, tmp, [f"{env.synth}/train.parquet"])),
          OSError, r"No space left on device", _cache_leftovers),

@@ -851,11 +851,14 @@ def _val_records(out, step=0):
 
 
 def test_val_max_samples_and_the_generations_file(small_synth, tmp_path):
-    """val_max_samples=5 of 8, val_batch_size=2: five samples in three batches; the file holds each sample's own
-    prompt, response, ground truth and score (decoded here from the batches generated)."""
+    """val_max_samples=5 of 8, val_batch_size=2: five samples in three batches, a seeded subset in file order (not
+    the first five: with several val files a cap would skip the later ones), the same at every validation; 0 takes
+    all eight, as in verl. The file holds each sample's own prompt, response, ground truth and score (decoded here
+    from the batches generated)."""
     t = trainer(small_synth, tmp_path, "data.val_max_samples=5", "data.val_batch_size=2", "rollout.val_temperature=1.0")
-    seen, gen = [], t.generate
+    seen, gen, asked, get = [], t.generate, [], t.val_data.get_batch
     t.generate = lambda items, seed, val=False: seen.append(gen(items, seed, val)) or seen[-1]
+    t.val_data.get_batch = lambda idx: asked.append(idx) or get(idx)
     t.validate()
     recs = _val_records(str(tmp_path))
     assert [len(b) for b in seen] == [2, 2, 1] and len(recs) == 5
@@ -863,6 +866,14 @@ def test_val_max_samples_and_the_generations_file(small_synth, tmp_path):
              b.ground_truth[i]) for b in seen for i in range(len(b))]
     assert [(r["prompt"], r["response"], r["ground_truth"]) for r in recs] == want
     assert len({r["response"] for r in recs}) > 1
+    picked = [i for idx in asked for i in idx]
+    assert picked == sorted(set(picked)) != [0, 1, 2, 3, 4] and len(picked) == 5
+    t.validate()
+    assert [i for idx in asked for i in idx] == picked * 2
+    everything = trainer(small_synth, tmp_path / "all", "data.val_max_samples=0", "data.val_batch_size=8")
+    everything.val_data.get_batch = lambda idx: asked.append(idx) or get(idx)
+    everything.validate()
+    assert asked[-1] == list(range(8))
 
 
 def test_validation_batches_draw_fresh_noise(small_synth, tmp_path):
