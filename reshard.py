@@ -468,8 +468,10 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
     ck = _Checkpoint(ckpt_dir)
     if any(hf.startswith("value_head.") for hf in ck.index):
         raise ValueError(f"{ckpt_dir!r} is a critic (a value head, no LM head): only an actor exports as a causal LM")
-    if os.path.exists(out_dir):
-        raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
+    def refuse_existing():  # at the start, and again before the rename: another export may have finished meanwhile
+        if os.path.lexists(out_dir):  # (lexists: a dangling symlink is there too)
+            raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
+    refuse_existing()
     tmp, shards, cur, total = f"{out_dir.rstrip('/')}.tmp{os.getpid()}_{time.time_ns()}", [], {}, 0
     os.makedirs(tmp)  # a new name: a directory already there (the user's) is never overwritten or removed
 
@@ -497,10 +499,11 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
         for fn in os.listdir(ckpt_dir):
             if fn.startswith(TOKENIZER_FILES):
                 shutil.copy(os.path.join(ckpt_dir, fn), tmp)
+        refuse_existing()
+        os.replace(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written survives a failure (disk full, ^C)
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written survives a failure (disk full, ^C, a race)
         raise
-    os.replace(tmp, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -507,7 +507,7 @@ def test_load_into_errors(tmp_path):
         load_full_state(str(ck))
 
 
-def test_export_errors_and_its_temporary_directory(tmp_path, capsys):
+def test_export_errors_and_its_temporary_directory(tmp_path, capsys, monkeypatch):
     path = helpers.make_checkpoint(str(tmp_path / "hf"), "llama", with_tokenizer=False)
     for name, critic in (("actor", False), ("critic", True)):
         m = load_model(path, value_head=critic, lm_head=not critic)
@@ -528,6 +528,17 @@ def test_export_errors_and_its_temporary_directory(tmp_path, capsys):
     got = load_file(str(tmp_path / "out" / "model-00001-of-00001.safetensors"))
     want = load_file(os.path.join(path, "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    # a dangling symlink is there too; a directory that appears while the export runs (another export of the same
+    # name finishing first; empty, which a rename would silently replace) is refused and left as it is, with no
+    # temporary directory behind
+    os.symlink(str(tmp_path / "nowhere"), str(tmp_path / "link"))
+    save = reshard._save_file
+    monkeypatch.setattr(reshard, "_save_file", lambda *a: os.makedirs(tmp_path / "late", exist_ok=True) or save(*a))
+    for name in ("link", "late"):
+        with pytest.raises(FileExistsError, match=f"'.*{name}' already exists"):
+            reshard.main([str(tmp_path / "actor"), "--to-hf", str(tmp_path / name)])
+    assert sorted(os.listdir(tmp_path)) == ["actor", "critic", "hf", "late", "link", "out", "out.tmp"]
+    assert os.listdir(tmp_path / "late") == [] and os.path.islink(tmp_path / "link")
 
 
 def test_only_the_named_dp_rank_writes_a_shard(tmp_path):
