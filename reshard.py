@@ -468,6 +468,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max
     ck = _Checkpoint(ckpt_dir)
     if any(hf.startswith("value_head.") for hf in ck.index):
         raise ValueError(f"{ckpt_dir!r} is a critic (a value head, no LM head): only an actor exports as a causal LM")
+
     def refuse_existing():  # at the start, and again before the rename: another export may have finished meanwhile
         if os.path.lexists(out_dir):  # (lexists: a dangling symlink is there too)
             raise FileExistsError(f"--to-hf {out_dir!r} already exists; choose a new directory")
