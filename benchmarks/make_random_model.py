@@ -1,10 +1,11 @@
-"""A model directory for running the real configs without downloading a model: Qwen2.5-7B's config.json (or a tiny
-one, for a CPU check) and a byte-level BPE tokenizer trained on GSM8K's questions and answers, with Qwen's chat
+"""A model directory for running the real configs without downloading a model: Qwen2.5-7B's config.json (or the
+0.5B or 1.5B shape of bench_step.py, or a tiny one for a CPU check) and a byte-level BPE tokenizer trained on GSM8K's questions and answers, with Qwen's chat
 specials and template. The weights come from `actor.random_init=true`. The 7B shape's 152,064-row head and embedding
 are kept: the trainer samples over the config's vocabulary, as vLLM and transformers do, so a random model also draws
 ids past the tokenizer's (they decode to nothing; a trained model gives them no mass).
 
     python benchmarks/make_random_model.py --src ../shared/data/gsm8k --out models/random-7b
+    python benchmarks/make_random_model.py --shape 0.5b --out models/qwen2.5-0.5b-random    # configs/gpu_smoke.yaml
     python data.py gsm8k --src ../shared/data/gsm8k --out data/gsm8k
     torchrun --nproc_per_node=8 train.py configs/7b.yaml actor.model_path=models/random-7b actor.random_init=true
 """
@@ -17,12 +18,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_step import SHAPES  # noqa: E402
 from tests.helpers import CHAT_TEMPLATE, SPECIALS  # noqa: E402
 
-QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
-                 rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=True, torch_dtype="bfloat16",
-                 vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=32000)
 
@@ -32,6 +30,7 @@ def main() -> None:
     ap.add_argument("--src", default="../shared/data/gsm8k",
                     help="the directory of GSM8K's train.jsonl (the tokenizer's corpus)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", choices=list(SHAPES), default="7b", help="Qwen2.5's shape (default: 7b)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family (CPU checks)")
     a = ap.parse_args()
     if os.path.exists(a.out):
@@ -50,7 +49,7 @@ def main() -> None:
     tmp = a.out + ".tmp"  # nothing half-written under --out
     t.save_pretrained(tmp)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(dict(QWEN25_7B, **(TINY if a.tiny else {}), eos_token_id=t.eos_token_id), f, indent=1)
+        json.dump(dict(SHAPES[a.shape], **(TINY if a.tiny else {}), eos_token_id=t.eos_token_id), f, indent=1)
     os.rename(tmp, a.out)
     print(f"wrote {a.out}: {len(t)} tokenizer entries, EOS {t.eos_token}={t.eos_token_id}")
 
