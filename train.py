@@ -269,7 +269,7 @@ def _build(base, d: dict, prefix: str, source):
             raise KeyError(f"{source(path)}: unknown config key {path!r}{hint}")
         default = getattr(base, key)
         if dataclasses.is_dataclass(default):
-            if not isinstance(val, dict):
+            if not isinstance(val := {} if val is None else val, dict):  # (None: a YAML section left empty)
                 raise TypeError(f"{source(path)}: {path} must be a mapping, got {val!r}")
             kwargs[key] = _build(default, val, path + ".", source)
             continue
@@ -307,7 +307,7 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise TypeError(f"override {ov!r}: {p} is not a mapping")
+                raise TypeError(f"override {ov!r}: {p} is not a mapping, got {node!r}")
         new = yaml.safe_load(val)  # a mapping merges into the section, as Hydra's overrides do
         node[last] = {**node[last], **new} if isinstance(new, dict) and isinstance(node.get(last), dict) else new
 

@@ -75,6 +75,11 @@ def test_an_override_inside_a_section_keeps_its_other_defaults(synth, tmp_path):
     cfg = train.load_config(str(path), ["critic.optim.grad_clip=0.5"])
     assert (cfg.critic.optim.weight_decay, cfg.critic.optim.grad_clip) == (0.0, 0.5)
     assert cfg.critic.optim.lr == 1e-5 and cfg.actor.optim.lr == 1e-6  # the critic's default, not OptimConfig's
+    # a section whose keys are all commented out is None in YAML: its defaults, not "must be a mapping"
+    path.write_text(f"actor: {{model_path: {synth}/model}}\ndata: {{train_files: [{synth}/train.parquet]}}\n"
+                    "rollout: {n: 2}\ncritic:\n  # optim: {lr: 1.0e-6}\nalgorithm:\n  kl_ctrl:\n")
+    cfg = train.load_config(str(path))
+    assert cfg.critic == train.CriticConfig() and cfg.algorithm.kl_ctrl == train.KLCtrlConfig()
 
 
 def test_impossible_layout_fails_fast(synth, tmp_path):
