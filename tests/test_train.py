@@ -278,8 +278,9 @@ def test_resume_is_exact(small_synth, tmp_path, monkeypatch, algo):
     first = run(small_synth, out, *common)
     assert [r["step"] for r in first] == [1, 2, 3]
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "3"
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), CONFIG, *overrides(small_synth, out, *common)],
-                   check=True, cwd=ROOT, capture_output=True)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), CONFIG, *overrides(small_synth, out, *common)]
+    proc = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+    assert f"resumed {out}/checkpoints/step_3: step 3 of trainer.total_steps=6" in proc.stdout  # (once: rank 0)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         resumed = [json.loads(line) for line in f]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
