@@ -272,15 +272,17 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
     DAPO filter on "acc" would otherwise stop on one malformed sample). A result that is neither a number nor a dict
     with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
     extra_infos = [None] * len(solution_strs) if extra_infos is None else extra_infos
-    scores, extra_rows, failed = [], [], []  # extra_rows: per sample, the numeric extras of its dict result
+    scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, its dict's numeric extras (None: it raised)
     for i in range(len(solution_strs)):
         try:
             result = reward_fn(data_source=data_sources[i], solution_str=solution_strs[i],
                                ground_truth=ground_truths[i], extra_info=extra_infos[i])
         except Exception as e:  # one malformed sample must not end a long run
             logger.warning("reward function failed on sample %d (data_source=%r): %r", i, data_sources[i], e)
-            failed.append(i)
-            result = 0.0
+            num_errors += 1
+            scores.append(0.0)
+            extra_rows.append(None)
+            continue
         if isinstance(result, _NUMBER):
             result = {"score": result}
         if not (isinstance(result, dict) and isinstance(result.get("score"), _NUMBER)):
@@ -291,6 +293,5 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
                              "expected a finite number")
         scores.append(score)
         extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, _NUMBER)})
-    keys = dict.fromkeys(k for row in extra_rows for k in row)  # in order of first appearance
-    extra_rows = [dict.fromkeys(keys, 0.0) if i in failed else row for i, row in enumerate(extra_rows)]
-    return scores, {k: [row.get(k) for row in extra_rows] for k in keys}, len(failed)
+    keys = dict.fromkeys(k for row in extra_rows if row for k in row)  # in order of first appearance
+    return scores, {k: [0.0 if row is None else row.get(k) for row in extra_rows] for k in keys}, num_errors
