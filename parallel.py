@@ -69,7 +69,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -197,7 +199,23 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, head_cost: float = 0.0)
     return start, start + base + (1 if pp_rank < extra else 0)
 
 
-# ----------------------------------------------------------------------------- TP collectives
+# ----------------------------------------------------------------------------- process group, collectives
+
+
+def init_distributed(device: str = "auto", timeout_s: int = 1800) -> tuple[torch.device, int, int]:
+    """(this process's device, rank, world size). device: auto (CUDA when visible) | cpu | cuda. Under torchrun (RANK
+    set) it starts the default process group, NCCL on GPU, gloo on CPU; a collective that waits past timeout_s fails
+    the job instead of hanging it. Without torchrun: rank 0 of 1."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if cuda else None)
+    return (dev, dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (dev, 0, 1)
 
 
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

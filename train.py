@@ -43,7 +43,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -54,7 +53,7 @@ from tqdm import tqdm
 import algorithms as alg
 from data import TRUNCATIONS, PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
 from model import ModelConfig, load_model, read_json
-from parallel import (ShardedAdamW, all_gather_objects, lr_at, make_layout, pipeline_forward_backward,
+from parallel import (ShardedAdamW, all_gather_objects, init_distributed, lr_at, make_layout, pipeline_forward_backward,
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce, world_barrier)
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
@@ -73,6 +72,7 @@ class DataConfig:
     val_max_samples: int = -1           # validate on a seeded random subset of this size (<= 0: all), as verl
     max_prompt_length: int = 512
     max_response_length: int = 512
+    gen_batch_size: int = 0             # prompts a generation batch under filter_groups (0: train_batch_size), as verl
     truncation: str = "error"           # error | left | right | middle
     filter_overlong_prompts: bool = True
     prompt_key: str = "prompt"
@@ -241,6 +241,7 @@ AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "da
                              "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
                              "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
             "rollout.val_top_k": -1, "trainer.seed": 0, "critic.ppo_epochs": -1, "rollout.kv_cache_tokens": 0,
+            "data.gen_batch_size": 0,
             **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
                              "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
 ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.val_top_p": 0, "rollout.gpu_memory_fraction": 0,
@@ -256,6 +257,11 @@ CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32
            "trainer.device": ("auto", "cpu", "cuda")}
 
 
+def _key_paths(c, prefix: str = "") -> list[str]:  # every dotted key of a config dataclass
+    subs = [(f.name, getattr(c, f.name)) for f in dataclasses.fields(c)]
+    return sum((_key_paths(v, f"{prefix}{k}.") if dataclasses.is_dataclass(v) else [prefix + k] for k, v in subs), [])
+
+
 def _build(base, d: dict, prefix: str, source):
     """dict -> a copy of the dataclass instance `base` with those values (a nested section starts from its parent's
     default, e.g. the critic's lr), naming the nearest valid key for an unknown one and checking types; source(key)
@@ -263,9 +269,10 @@ def _build(base, d: dict, prefix: str, source):
     fields, kwargs = [f.name for f in dataclasses.fields(base)], {}
     for key, val in d.items():
         path = prefix + key
-        if key not in fields:
-            near = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; valid keys here: {sorted(fields)}"
+        if key not in fields:  # the key in another section (actor.temperature), else a near name in this one
+            near = [p for p in _key_paths(Config()) if p.endswith("." + key)] or [
+                prefix + k for k in difflib.get_close_matches(key, fields, n=1)]
+            hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else f"; valid keys here: {sorted(fields)}"
             raise KeyError(f"{source(path)}: unknown config key {path!r}{hint}")
         default = getattr(base, key)
         if dataclasses.is_dataclass(default):
@@ -305,8 +312,8 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
         key, val = ov.split("=", 1)
         node, (*parents, last) = raw, key.split(".")
         for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
+            node[p] = {} if node.get(p) is None else node[p]  # (None: a section left empty)
+            if not isinstance(node := node[p], dict):
                 raise TypeError(f"override {ov!r}: {p} is not a mapping, got {node!r}")
         new = yaml.safe_load(val)  # a mapping merges into the section, as Hydra's overrides do
         node[last] = {**node[last], **new} if isinstance(new, dict) and isinstance(node.get(last), dict) else new
@@ -334,6 +341,9 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if d.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"{src('data.train_batch_size', 'actor.ppo_mini_batch_size')}: data.train_batch_size="
                          f"{d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+    if d.gen_batch_size not in (0, d.train_batch_size) and not cfg.algorithm.filter_groups.enable:
+        raise ValueError(f"{src('data.gen_batch_size')}: data.gen_batch_size={d.gen_batch_size} differs from data."
+                         "train_batch_size, which only DAPO's dynamic sampling allows (algorithm.filter_groups.enable)")
     if (est := cfg.algorithm.adv_estimator) in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
         raise ValueError(f"{src('algorithm.adv_estimator', 'rollout.n')}: algorithm.adv_estimator={est} compares "
                          f"the rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
@@ -466,17 +476,8 @@ class Trainer:
     """Holds the roles, data, sampler and counters of one run (the state a checkpoint saves)."""
 
     def __init__(self, cfg: Config):
-        self.cfg, self.out, want = cfg, cfg.trainer.output_dir, cfg.trainer.device
-        if want == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but no CUDA device is visible")
-        use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-        if use_cuda:
-            torch.cuda.set_device(self.device)
-        if "RANK" in os.environ and not dist.is_initialized():  # torchrun's environment; one process works too
-            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.trainer.timeout_s),
-                                    device_id=self.device if use_cuda else None)
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.cfg, self.out = cfg, cfg.trainer.output_dir
+        self.device, self.rank, self.world = init_distributed(cfg.trainer.device, cfg.trainer.timeout_s)
         for seed in (random.seed, np.random.seed, torch.manual_seed):
             seed(cfg.trainer.seed)
         a, p, d = cfg.actor, cfg.parallel, cfg.data
@@ -502,7 +503,7 @@ class Trainer:
                        if cfg.algorithm.adv_estimator == "gae" else None)
         self.kl_ctrl = (alg.FixedKLController(kc.kl_coef) if (kc := cfg.algorithm.kl_ctrl).type == "fixed"
                         else alg.AdaptiveKLController(kc.kl_coef, kc.target_kl, kc.horizon))
-        self.sampler = Sampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
+        self.sampler = Sampler(len(self.train_data), d.gen_batch_size or d.train_batch_size, d.seed, d.shuffle)
         offload = [r.optim for r in (self.actor, self.critic) if r is not None] if a.offload_optimizer else []
         self.resharder = Resharder(self.actor.model, lay, p.rollout.tp, offload, seed=cfg.trainer.seed)
         self.step, self.nonfinite_skips, self.saved_row = 0, 0, None
@@ -588,8 +589,7 @@ class Trainer:
 
     # --- forward passes and updates in the training layout
     def forward_only(self, role: Role, batch: Batch, values: bool = False) -> torch.Tensor:
-        """[K, B, R] on every rank, forward only: the responses' log-probs and entropies (K = 2) or, with
-        `values`, the critic's values (K = 1)."""
+        """[K, B, R] on every rank, no grad: the responses' log-probs and entropies (K = 2), or values (K = 1)."""
         lay, R = self.layout, batch.response_mask.shape[1]
 
         def fn(m, hidden, mb):

@@ -350,6 +350,11 @@ CASES = [
          r"unknown config key 'actor\.clip_ratio_hihg'; did you mean 'actor\.clip_ratio_high'\?"),
     Case("config-unknown-section", "trainr.total_steps=5", _cfg("trainr.total_steps=5"), KeyError,
          r"override 'trainr\.total_steps=5': unknown config key 'trainr'; did you mean 'trainer'\?"),
+    Case("config-key-in-another-section", "actor.temperature=0.7", _cfg("actor.temperature=0.7"), KeyError,
+         r"unknown config key 'actor\.temperature'; did you mean 'rollout\.temperature'\?"),
+    Case("config-gen-batch-without-dapo", "data.gen_batch_size=48 without filter_groups",
+         _cfg("data.gen_batch_size=48"), ValueError, r"override 'data\.gen_batch_size=48': data\.gen_batch_size=48 "
+         r"differs from data\.train_batch_size, which only DAPO's dynamic sampling allows"),
     Case("config-wrong-type", "actor.ppo_epochs=two", _cfg("actor.ppo_epochs=two"), TypeError,
          r"override 'actor\.ppo_epochs=two': actor\.ppo_epochs must be int, got 'two'"),
     Case("config-wrong-bool", "data.shuffle=maybe", _cfg("data.shuffle=maybe"), TypeError,

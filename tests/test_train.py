@@ -80,6 +80,16 @@ def test_an_override_inside_a_section_keeps_its_other_defaults(synth, tmp_path):
                     "rollout: {n: 2}\ncritic:\n  # optim: {lr: 1.0e-6}\nalgorithm:\n  kl_ctrl:\n")
     cfg = train.load_config(str(path))
     assert cfg.critic == train.CriticConfig() and cfg.algorithm.kl_ctrl == train.KLCtrlConfig()
+    cfg = train.load_config(str(path), ["critic.cliprange_value=0.3", "algorithm.kl_ctrl.kl_coef=0.5"])  # into them
+    assert (cfg.critic.cliprange_value, cfg.critic.optim.lr, cfg.algorithm.kl_ctrl.kl_coef) == (0.3, 1e-5, 0.5)
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs"))))
+def test_shipped_configs_load(name):
+    """Every config in configs/ names only known keys with valid values (they are not run here)."""
+    cfg = train.load_config(os.path.join(ROOT, "configs", name))
+    if name == "dapo_7b.yaml":  # verl's recipe: 3 x 512 prompts a generation batch, at most 10 batches
+        assert (cfg.data.gen_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches) == (1536, 10)
 
 
 def test_impossible_layout_fails_fast(synth, tmp_path):
@@ -756,6 +766,23 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches(small_synth, tmp_pa
     with pytest.raises(RuntimeError, match="0 of 8 prompts had varied 'score' in 3 batches .*too easy or too hard"):
         t.rollout_batch()
     assert len(seen) == 3
+
+
+def test_gen_batch_size_draws_that_many_prompts_a_generation_batch(small_synth, tmp_path):
+    """data.gen_batch_size (verl's DAPO recipe) draws 12 prompts a generation batch for a batch of 8: a draw with 6
+    varied groups and then one with all 12 fill it with 6 + 2 groups, in draw order, each with its n samples."""
+    t = trainer(small_synth, tmp_path, *DAPO, "data.gen_batch_size=12")
+
+    def half_mixed(b):  # groups of the first 6 prompts mixed, the rest all alike
+        return ((torch.arange(len(b)) % 2) * (torch.arange(len(b)) < 6 * t.cfg.rollout.n)).float(), {}, 0, []
+    seen = _scripted(t, [half_mixed, _mixed])
+    batch, metrics = t.rollout_batch()
+    n, first = t.cfg.rollout.n, seen[0].index.unique_consecutive()
+    assert [len(b) for b in seen] == [12 * n] * 2 and metrics["train/num_gen_batches"] == 2.0
+    second = seen[1].index.unique_consecutive()  # (offset by the dataset size: a prompt drawn again is a new group)
+    assert (first < t.sampler.num_items).all() and (second >= t.sampler.num_items).all()
+    assert batch.index.unique_consecutive().tolist() == first[:6].tolist() + second[:2].tolist()
+    assert len(batch) == 8 * n and torch.unique(batch.index, return_counts=True)[1].tolist() == [n] * 8
 
 
 def test_dynamic_sampling_max_zero_means_no_limit(small_synth, tmp_path):
