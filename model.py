@@ -60,13 +60,16 @@ ARCH_DEFAULTS = {"LlamaForCausalLM": dict(max_position_embeddings=2048),
                                           max_position_embeddings=32768)}
 
 
-def read_json(path: str):
-    """json.load that names the file when it is not valid JSON (a config or meta cut mid-write)."""
+def read_json(path: str, kind: type = dict):
+    """json.load that names the file when it is not valid JSON (a config or meta cut mid-write) or not a `kind`."""
     with open(path) as f:
         try:
-            return json.load(f)
+            obj = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if type(obj) is not kind:
+        raise ValueError(f"{path}: expected a JSON {'object' if kind is dict else kind.__name__}, got {obj!r:.60}")
+    return obj
 
 
 def open_safetensors(path: str):
@@ -119,6 +122,8 @@ class ModelConfig:
         c = c if c.get("architectures") else {**c, "architectures": [arch]}  # (some configs name only the model_type)
         if missing := [k for k in REQUIRED_KEYS if k not in c]:
             raise ValueError(f"{source}: missing required key(s) {missing}")
+        if bad := {k: c[k] for k in REQUIRED_KEYS if type(c[k]) is not int or c[k] < 1}:
+            raise ValueError(f"{source}: {bad} must be positive integers")
         c = {**ARCH_DEFAULTS[arch], **c}
         if c.get("quantization_config"):
             raise ValueError(f"{source}: quantized checkpoints ({c['quantization_config'].get('quant_method')}) are "
@@ -621,7 +626,13 @@ class Transformer(nn.Module):
             if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
                 raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights "
                                         "(nor model.safetensors.index.json)")
-            where = {k: fn for fn in files for k in open_safetensors(fn).keys()}
+            where = {}
+            for fn in files:  # (transformers would read model.safetensors alone: a second copy must not win)
+                for k in open_safetensors(fn).keys():
+                    if k in where:
+                        raise ValueError(f"{path}: tensor {k!r} is in both {os.path.basename(where[k])} and "
+                                         f"{os.path.basename(fn)}; keep one, or add a model.safetensors.index.json")
+                    where[k] = fn
         handles = {fn: open_safetensors(fn) for fn in sorted(set(where.values()))}
 
         def read(name, j, hf, want):

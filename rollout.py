@@ -459,7 +459,7 @@ class Generator:
             max_len = need  # room to grow would cost rows
         if (rows := min(self.max_rows, budget // max_len)) < 1:
             raise ValueError(f"KV cache budget of {budget} tokens ({budget * per_token / 2**30:.2f} GiB at "
-                             f"{per_token} bytes/token) cannot hold one row of max_len={max_len}; raise "
+                             f"{per_token} bytes/token) cannot hold one row of {need or max_len} positions; raise "
                              "kv_cache_tokens / gpu_memory_fraction or shorten prompts / max_new_tokens")
         hkv = cfg.kv_heads_per_rank(m.layout.tp)
         self.cache = KVCache(len(m.layers), rows, hkv, max_len, cfg.head_dim, self.dtype, self.device)

@@ -775,7 +775,7 @@ class Trainer:
                 raise ValueError(f"trainer.output_dir {self.out!r} holds checkpoints of another run (steps {saved}); "
                                  f"resume it with trainer.resume=auto, or use a new output_dir")
             return
-        path = os.path.join(root, f"step_{read_json(latest)}") if r == "auto" else r  # `latest` holds N
+        path = os.path.join(root, f"step_{read_json(latest, int)}") if r == "auto" else r  # `latest` holds N
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
         meta = read_json(os.path.join(path, "meta.json"))

@@ -170,6 +170,13 @@ def _truncated_hf(env, tmp):
     return load_model(d)
 
 
+def _two_copies_no_index(env, tmp):
+    d = _model_dir(tmp, _synth_config(env), weights_from=env.hf)
+    os.remove(os.path.join(d, "model.safetensors.index.json"))
+    shutil.copy(glob.glob(os.path.join(d, "*.safetensors"))[0], os.path.join(d, "model_ema.safetensors"))
+    return load_model(d)
+
+
 def _index_names_the_wrong_file(env, tmp):
     from safetensors.torch import save_file
     d = _model_dir(tmp, _synth_config(env), weights_from=env.hf)
@@ -490,6 +497,12 @@ CASES = [
     Case("model-config-bad-json", "config.json cut mid-object",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, '{"architectures": ["Qwen2ForCausalLM"],')),
          ValueError, r"model[/\\]config\.json: not valid JSON"),
+    Case("model-config-not-object", "config.json holding [1]",
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, "[1]")), ValueError,
+         r"model[/\\]config\.json: expected a JSON object, got \[1\]"),
+    Case("model-config-string-value", 'config.json with num_attention_heads: "4"',
+         lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(env, num_attention_heads="4"))),
+         ValueError, r"config\.json: \{'num_attention_heads': '4'\} must be positive integers"),
     Case("model-unsupported-architecture", "architectures: [GPT2LMHeadModel], no model_type",
          lambda env, tmp: ModelConfig.from_dir(_model_dir(tmp, _synth_config(
              env, architectures=["GPT2LMHeadModel"], model_type=None))), ValueError,
@@ -536,6 +549,9 @@ CASES = [
          r"model directory '.*model' has no \*\.safetensors weights"),
     Case("model-truncated-weights", "model-00001-of-00001.safetensors cut in half", _truncated_hf, ValueError,
          r"model-00001-of-00001\.safetensors: .*(truncated|corrupt)"),
+    Case("model-two-copies", "model-00001-of-00001.safetensors and a copy model_ema.safetensors, no index (the copy "
+         "loaded silently before)", _two_copies_no_index, ValueError, r"model: tensor '.*' is in both "
+         r"model-00001-of-00001\.safetensors and model_ema\.safetensors; keep one, or add a model\.safetensors\.index"),
     Case("model-index-wrong-file", "model.safetensors.index.json maps model.norm.weight to a file without it "
          "(safetensors' error, naming no file, before)", _index_names_the_wrong_file, KeyError,
          r"model\.safetensors\.index\.json: maps 'model\.norm\.weight' to extra\.safetensors, which does not hold it"),

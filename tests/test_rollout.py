@@ -392,7 +392,7 @@ def test_errors_name_the_problem(model):
             gen.generate([[1]], SamplingParams(**{"max_new_tokens": 2, **bad}))
     with pytest.raises(ValueError, match="expected 2 ints"):
         gen.generate([[1], [2]], SamplingParams(max_new_tokens=2), max_new_tokens=[1])
-    with pytest.raises(ValueError, match="budget of 10 tokens.*max_len=64"):
+    with pytest.raises(ValueError, match="budget of 10 tokens.*one row of 64 positions"):
         Generator(model, max_len=64, kv_cache_tokens=10)
     with pytest.raises(ValueError, match="vocab_size=999"):
         Generator(model, vocab_size=999)
@@ -405,6 +405,8 @@ def test_cache_sized_at_first_use_keeps_the_rows_its_budget_holds(model):
     gen = Generator(model, max_rows=4, kv_cache_tokens=100)  # 69 positions needed: 100 holds one row, 128 none
     gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
     assert (gen.cache.rows, gen.cache.max_len) == (1, 69)
+    with pytest.raises(ValueError, match="budget of 68 tokens .* cannot hold one row of 69 positions"):  # (not 128)
+        Generator(model, max_rows=4, kv_cache_tokens=68).generate(prompts, SamplingParams(max_new_tokens=10))
     gen = Generator(model, max_rows=16, kv_cache_tokens=1000)
     gen.generate(rand_prompts((56,) * 16, seed=6), SamplingParams(temperature=0, max_new_tokens=10))
     assert (gen.cache.rows, gen.cache.max_len) == (15, 65)  # 1000 // 65, not 1000 // 128 = 7
