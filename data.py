@@ -339,8 +339,8 @@ class Sampler:
 
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
         if not 1 <= batch_size <= num_items:
-            raise ValueError(f"batch_size={batch_size} (data.train_batch_size, or gen_batch_size) must be between 1 "
-                             f"and the dataset size {num_items}")
+            raise ValueError(f"batch_size={batch_size} (data.gen_batch_size if set, else data.train_batch_size) must "
+                             f"be between 1 and the dataset size {num_items}")
         if seed < 0:  # numpy's default_rng takes non-negative seeds only; fail now, not at the first draw
             raise ValueError(f"sampler seed (data.seed) must be >= 0, got {seed}")
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle

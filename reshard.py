@@ -74,7 +74,7 @@ def generation_groups(world: int, tp: int, pp: int, tp_g: int) -> tuple[list[lis
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     if tp_g not in (valid := valid_generation_tp(world, tp, pp)):
-        raise ValueError(f"rollout tp={tp_g} does not fit training tp={tp}, pp={pp} on {world} ranks: it must "
+        raise ValueError(f"parallel.rollout.tp={tp_g} does not fit training tp={tp}, pp={pp} on {world} ranks: it must "
                          f"divide tp, or be tp times a divisor of dp={world // (tp * pp)}; valid: {valid}")
     k, n = _split(tp, tp_g)
     micro, gen = {}, {}

@@ -257,9 +257,9 @@ CHOICES = {"data.truncation": TRUNCATIONS, "actor.dtype": ("auto", "bf16", "fp32
            "trainer.device": ("auto", "cpu", "cuda")}
 
 
-def _key_paths(c, prefix: str = "") -> list[str]:  # every dotted key of a config dataclass
-    subs = [(f.name, getattr(c, f.name)) for f in dataclasses.fields(c)]
-    return sum((_key_paths(v, f"{prefix}{k}.") if dataclasses.is_dataclass(v) else [prefix + k] for k, v in subs), [])
+def _key_paths(c, prefix: str = "") -> list[str]:  # every dotted key and section of a config dataclass
+    subs = {prefix + f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+    return [*subs, *(p for k, v in subs.items() if dataclasses.is_dataclass(v) for p in _key_paths(v, k + "."))]
 
 
 def _build(base, d: dict, prefix: str, source):
@@ -269,9 +269,9 @@ def _build(base, d: dict, prefix: str, source):
     fields, kwargs = [f.name for f in dataclasses.fields(base)], {}
     for key, val in d.items():
         path = prefix + key
-        if key not in fields:  # the key in another section (actor.temperature), else a near name in this one
-            near = [p for p in _key_paths(Config()) if p.endswith("." + key)] or [
-                prefix + k for k in difflib.get_close_matches(key, fields, n=1)]
+        if key not in fields:  # a near name here, or the key (or section) in another section: actor.temperature
+            near = [prefix + k for k in difflib.get_close_matches(key, fields, n=1)] + [
+                p for p in _key_paths(Config()) if p.endswith("." + key)]
             hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else f"; valid keys here: {sorted(fields)}"
             raise KeyError(f"{source(path)}: unknown config key {path!r}{hint}")
         default = getattr(base, key)

@@ -359,6 +359,8 @@ CASES = [
          r"override 'trainr\.total_steps=5': unknown config key 'trainr'; did you mean 'trainer'\?"),
     Case("config-key-in-another-section", "actor.temperature=0.7", _cfg("actor.temperature=0.7"), KeyError,
          r"unknown config key 'actor\.temperature'; did you mean 'rollout\.temperature'\?"),
+    Case("config-section-in-another-section", "actor.kl_ctrl.type=adaptive", _cfg("actor.kl_ctrl.type=adaptive"),
+         KeyError, r"unknown config key 'actor\.kl_ctrl'; did you mean 'algorithm\.kl_ctrl'\?"),
     Case("config-gen-batch-without-dapo", "data.gen_batch_size=48 without filter_groups",
          _cfg("data.gen_batch_size=48"), ValueError, r"override 'data\.gen_batch_size=48': data\.gen_batch_size=48 "
          r"differs from data\.train_batch_size, which only DAPO's dynamic sampling allows"),
@@ -484,7 +486,7 @@ CASES = [
          r"actor: pp=4 exceeds num_hidden_layers=2; valid pp sizes for tp=1 and 4 ranks: \[1, 2\]"),
     Case("layout-rollout-tp-does-not-fit", "rollout tp=4 from training tp=1, pp=2 on 4 ranks (dp=2)",
          lambda env, tmp: reshard.validate_generation_layout(_mcfg(env), 4, 1, 2, 4, "parallel.rollout"), ValueError,
-         r"rollout tp=4 does not fit training tp=1, pp=2 on 4 ranks: it must divide tp, or be tp times a divisor "
+         r"parallel\.rollout\.tp=4 does not fit training tp=1, pp=2 on 4 ranks: it must divide tp, or be tp times a divisor "
          r"of dp=2; valid: \[1, 2\]"),
 
     # --- model directory: model.ModelConfig.from_dir / model.load_model

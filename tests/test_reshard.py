@@ -74,7 +74,7 @@ def test_groups_satisfy_the_rule(world):
 
 
 def test_groups_errors():
-    with pytest.raises(ValueError, match=r"rollout tp=3 .* valid: \[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"parallel\.rollout\.tp=3 .* valid: \[1, 2, 4\]"):
         generation_groups(4, 2, 1, 3)
     with pytest.raises(ValueError, match=r"divisor of dp=2; valid: \[1, 2\]"):
         generation_groups(4, 1, 2, 4)
