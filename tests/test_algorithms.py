@@ -296,6 +296,10 @@ def test_agg_loss_split_invariance(mode):
         denom = sum(A.loss_denominator(trimmed(m, rows, m), mode) for rows in micro)
         total = sum(A.agg_loss(trimmed(loss, rows, m), trimmed(m, rows, m), mode, denom, horizon=7) for rows in micro)
         assert approx(total, whole, 1e-12)
+    # an all-padding mini-batch (its denominator 0: no valid token, no non-empty row) contributes 0, not 0/0 = nan
+    empty = torch.zeros_like(m)
+    assert A.loss_denominator(empty, mode) == 0.0
+    assert A.agg_loss(loss, empty, mode, A.loss_denominator(empty, mode), horizon=7).item() == 0.0
 
 
 # --------------------------------------------------------------------------- policy loss
@@ -403,6 +407,13 @@ def test_policy_loss_split_invariance(mode, policy_loss_mode):
         assert approx(sum(p[0] for p in parts), whole, 1e-12)
         for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
             assert approx(sum(p[1][key] for p in parts), wm[key], 1e-12)
+    # an all-padding mini-batch: a finite 0 loss with a zero gradient and zero metrics, not nan
+    empty, logp = torch.zeros_like(m), logp.clone().requires_grad_()
+    loss, metrics = A.compute_policy_loss(old, logp, adv, empty, A.loss_denominator(empty, mode),
+                                          global_tokens=A.loss_denominator(empty, "token-mean"), **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+    assert all(v.item() == 0.0 for v in metrics.values())
 
 
 def test_gspo_value_and_gradient():

@@ -326,6 +326,10 @@ def test_sampler_seeds_shuffle_and_variable_batches():
         data.Sampler(11, 4, seed=5).load_state_dict(mid)
     with pytest.raises(ValueError, match="batch_size=11"):
         s.next_indices(11)
+    # a batch larger than the dataset fails at construction (at startup, naming the config keys), not at the first draw
+    with pytest.raises(ValueError, match=re.escape("batch_size=10 (data.gen_batch_size if set, else "
+                                                   "data.train_batch_size) must be between 1 and the dataset size 5")):
+        data.Sampler(5, 10, 0)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -453,12 +457,21 @@ def test_first_fit_uses_a_micro_batch_filled_exactly_to_the_budget():
     assert data.pack_micro_batches([6, 4, 5, 5], 10, 1) == [[[0, 1], [2, 3]]]
 
 
-def test_rank_with_fewer_micro_batches_splits_its_heaviest():
+def test_rank_with_fewer_micro_batches_splits_its_heaviest_into_balanced_halves():
     # LPT (desc, ties by index): 9(i3)->r0, 7(i2)->r1, 6(i5)->r1, 5(i0)->r0 (9<13), 5(i4)->r1 (13<14),
     # 1(i1)->r0, 1(i6)->r0: r0 = {9, 5, 1, 1}, r1 = {7, 6, 5}.
     # FFD, budget 10: r0 [9(i3), 1(i1)] (10 tokens), [5(i0), 1(i6)] (6); r1 [7], [6], [5] -> r0 needs a 3rd:
     # it splits its heaviest micro-batch [i3, i1] into [i3], [i1]
     assert data.pack_micro_batches([5, 1, 7, 9, 5, 6, 1], 10, 2) == [[[0, 6], [3], [1]], [[2], [5], [4]]]
+    # the heaviest is not the first: LPT 7(i1)->r0, 7(i3)->r1, 6(i0)->r0 (tie 7/7, lower rank), 6(i2)->r1,
+    # 5(i4)->r0 (13/13), 4(i6)->r1, 1(i5)->r1 (17<18): r0 = {7, 6, 5}, r1 = {7, 6, 4, 1}.
+    # FFD: r0 [7], [6], [5]; r1 [7(i3), 1(i5)] (8 tokens), [6(i2), 4(i6)] (10) -> r1 splits the second,
+    # heavier one into [i2], [i6] (splitting the first would leave [i2, i6] of 10 tokens, [i3], [i5])
+    assert data.pack_micro_batches([6, 7, 6, 7, 5, 1, 4], 10, 2) == [[[1], [0], [4]], [[3, 5], [2], [6]]]
+    # the split is into LPT-balanced halves: LPT 10(i5)->r0, then r1 takes 4(i3), 3(i2), 2(i1), 1(i0) while its
+    # load stays below 10, 1(i4)->r0 (10/10 tie, lower rank). FFD: r0 [10], [1]; r1 [4, 3, 2, 1] (10 tokens) ->
+    # halves 4+1 | 3+2 = 5/5, not [4] | [3, 2, 1] = 4/6
+    assert data.pack_micro_batches([1, 2, 3, 4, 1, 10], 10, 2) == [[[5], [4]], [[0, 3], [1, 2]]]
 
 
 def test_pack_rejects_a_negative_length():

@@ -63,6 +63,8 @@ MATH_EQUIV = [
     ("\\frac12", "\\frac{1}{2}", True),
     ("\\frac1{72}", "\\frac{1}{72}", True),
     ("1/2", "\\frac{1}{2}", True),
+    ("-1/2", "-0.5", True),  # a plain fraction with a minus sign is a rational too
+    ("-1/2", "-\\frac{1}{2}", True),
     ("0.5", "\\frac{1}{2}", True),
     (".5", "0.5", True),
     ("\\frac{3}{4}", "0.75", True),
@@ -124,6 +126,7 @@ def test_math_equivalence(a, b, expected):
     ("\\boxed{\\frac{\\pi}{2}}", "\\frac\\pi2", 1.0),  # \frac with a command argument
     ("\\boxed{\\sqrt{\\pi}}", "\\sqrt\\pi", 1.0),
     ("\\boxed{5\\ \\text{cm}}", "5", 1.0),  # a LaTeX space before the unit
+    ("\\boxed{-1/2}", "-\\frac{1}{2}", 1.0),  # a negative plain fraction
     ("\\boxed{1." + "0" * 5000 + "1}", "1", 0.0),  # past int()'s 4300 digits: not equal, not an error
 ])
 def test_math_score(solution, truth, expected):
@@ -139,6 +142,7 @@ def test_math_score(solution, truth, expected):
     ("Reasoning...\nanswer:   42\nThanks", "42", 1.0, "42"),
     ("Answer: 41\nwait, no.\nAnswer: 42", "42", 1.0, "42"),  # the last one counts
     ("Answer: \\boxed{1,000}.", "1000", 1.0, "1,000."),  # DAPO's form keeps "1,000."; is_equiv matches it
+    ("Answer: 1,000", "1000", 1.0, "1000"),  # Minerva: commas dropped when only digits remain
     ("Answer: $m+n = 25$", "25", 1.0, "25"),  # DAPO's normal form: the value after the last "="
     ("Answer: 120 degrees", "120", 1.0, "120"),  # unit words deleted
     ("Answer: $42$ cm", "42", 1.0, "42"),  # the inside of $...$
@@ -257,6 +261,11 @@ def test_score_batch(caplog):
         R.score_batch(lambda **kw: "1.0", ["weird/source"], ["a"], ["a"], [None])
     with pytest.raises(TypeError, match="weird/source"):
         R.score_batch(lambda **kw: {"acc": 1.0}, ["weird/source"], ["a"], ["a"], [None])
+    # a non-finite score is a scorer bug (it would poison the advantages), NaN and both infinities alike
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for result in (bad, {"score": bad}):
+            with pytest.raises(ValueError, match=f"score {bad} for data_source 'weird/source'; expected a finite"):
+                R.score_batch(lambda **kw: result, ["weird/source"], ["a"], ["a"], [None])
 
 
 def test_answers_are_read_from_the_last_300_characters_exactly():
@@ -301,6 +310,16 @@ def test_gsm8k_ground_truth_commas_are_dropped():
 def test_math_equivalence_more(a, b, expected):
     assert R.is_equiv(a, b) is expected
     assert R.is_equiv(b, a) is expected
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ("1,000", "1000"),  # Minerva's rule: thousands commas go when only digits remain
+    ("12,345,678", "12345678"),
+    ("1,000.", "1,000."),  # not only digits: kept (is_equiv matches it later)
+    ("(1,2)", "(1,2)"),  # a pair, not a number
+])
+def test_normalize_final_answer_drops_thousands_commas(answer, expected):
+    assert R.normalize_final_answer(answer) == expected
 
 
 def test_math_ground_truth_given_as_a_solution_uses_its_last_box():

@@ -195,12 +195,13 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth_logit():
 TIED = torch.tensor([2.0, 0.5, 1.0, 1.0, -1.0, 3.0, 0.0, 1.0, -2.0, 0.25, 0.9, 1.5])  # 1.0 at ids 2, 3 and 7
 
 
-def _tied_draws(k: int, p: float, B: int = 60000, rank: int = 0, group=None, device="cpu", dtype=torch.float32):
+def _tied_draws(k: int, p: float, B: int = 60000, rank: int = 0, group=None, device="cpu", dtype=torch.float32,
+                T: float = 1.0):
     import rollout
     keys = torch.tensor([rollout.sample_key(9, i, 0) for i in range(B)], device=device)
     V = len(TIED) // (1 if group is None else 2)  # at tp=2 each rank holds 6 ids: ties 2, 3 on rank 0, 7 on rank 1
     tok, lp = rollout.sample_top_k_top_p(TIED[rank * V:(rank + 1) * V].to(device, dtype).repeat(B, 1), keys,
-                                         torch.full((B,), 5, device=device), 1.0, k, p, group, vocab_start=rank * V)
+                                         torch.full((B,), 5, device=device), T, k, p, group, vocab_start=rank * V)
     return tok.cpu(), lp.cpu()
 
 
@@ -211,19 +212,23 @@ def test_top_k_top_p_keeps_the_ties_as_transformers(device, dtype):
     cut it) and the nucleus counts them all: the draw frequencies of each logit value match transformers'
     TopKLogitsWarper + TopPLogitsWarper. Which of the ties a partial nucleus keeps is an order among equal logits
     (transformers' is its sort's); ours spreads the kept share of their mass evenly over them. top_k 0: top-p alone,
-    whose nucleus ends among the ties at p = 0.75 (2 of 3 in). bf16: the nucleus' bisection runs over 16-bit keys."""
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    whose nucleus ends among the ties at p = 0.75 (2 of 3 in). bf16: the nucleus' bisection runs over 16-bit keys.
+    At T 0.7 and 1.5 the nucleus ends among the ties too (1 or 2 of 3 in, by transformers' warpers), so the kept
+    share must come from the tempered distribution."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     row = TIED.to(dtype).float()
-    for k, p in ((4, 0.95), (4, 0.85), (5, 0.9), (6, 0.99), (3, 0.9), (12, 0.5), (0, 0.75), (0, 0.9), (0, 0.3)):
-        tok, lp = _tied_draws(k, p, device=device, dtype=dtype)  # on CUDA the draws are the Triton sampler's
+    for k, p, T in ((4, 0.95, 1.0), (4, 0.85, 1.0), (5, 0.9, 1.0), (6, 0.99, 1.0), (3, 0.9, 1.0), (12, 0.5, 1.0),
+                    (0, 0.75, 1.0), (0, 0.9, 1.0), (0, 0.3, 1.0), (0, 0.845, 0.7), (4, 0.945, 0.7), (0, 0.65, 1.5),
+                    (4, 0.75, 1.5)):
+        tok, lp = _tied_draws(k, p, device=device, dtype=dtype, T=T)  # on CUDA the draws are the Triton sampler's
         freq = torch.bincount(tok, minlength=len(TIED)).float() / len(tok)
-        ref = TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, row[None].clone()) if k else row[None].clone())
-        ref = torch.softmax(ref, -1)[0]
+        ref = TemperatureLogitsWarper(T)(None, row[None].clone())
+        ref = torch.softmax(TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, ref) if k else ref), -1)[0]
         for v in row.unique():
             at = row == v
-            assert abs(freq[at].sum() - ref[at].sum()) < 0.01, (k, p, v)
-            assert torch.allclose(freq[at], ref[at].sum() / at.sum(), atol=0.005), (k, p, v)  # (each id's own)
-        assert torch.allclose(lp, torch.log_softmax(row, -1)[tok])  # the unfiltered softmax's log-prob
+            assert abs(freq[at].sum() - ref[at].sum()) < 0.01, (k, p, T, v)
+            assert torch.allclose(freq[at], ref[at].sum() / at.sum(), atol=0.005), (k, p, T, v)  # (each id's own)
+        assert torch.allclose(lp, torch.log_softmax(row / T, -1)[tok])  # the unfiltered softmax's log-prob
 
 
 def _tied_tp_body(rank, world):

@@ -2,6 +2,7 @@
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 import helpers
 from data import load_tokenizer, prepare_synthetic
@@ -522,14 +524,15 @@ def _copy_of(path, seed, params):
     return m
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                  "seq-mean-token-mean"])
 def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tmp_path, mode):
     """One GRPO step with a KL loss, KL in the reward and a reference policy unlike the actor, two mini-batches of
     several micro-batches; a warmup so long that the weights do not move (so the ratio is 1 in both mini-batches and
     each one's loss is known in closed form). Against one dense process: the recomputed old/ref log-probs, the KL in
     the reward, pi_old's entropy over the batch (aggregated by the loss_agg_mode), per mini-batch the pg loss (-A
-    summed over tokens / the loss_agg_mode's count), the KL loss and the gradient norm, averaged over the two
-    optimizer steps; and the warmup's first LR."""
+    aggregated by the loss_agg_mode, written out below as verl defines each), the KL loss and the gradient norm,
+    averaged over the two optimizer steps; and the warmup's first LR."""
     R, coef, beta, warmup, ec = 4, 0.5, 0.05, 10 ** 9, 0.3
     cfg = train.load_config(CONFIG, overrides(
         small_synth, str(tmp_path), "trainer.total_steps=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
@@ -564,21 +567,29 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
     # the rewards: score - beta * (summed KL) per sequence
     assert got["critic/rewards/mean"] == pytest.approx((T["seq_reward"] - beta * kl.sum(-1)).mean().item(),
                                                       rel=1e-4, abs=1e-6)
+
+    def agg(x, mk):  # the loss_agg_mode's aggregate, written out (no empty response here: every row is a sequence)
+        per_row = (x * mk).sum(-1)
+        if mode == "token-mean":  # over all the tokens
+            return per_row.sum() / mk.sum()
+        if mode == "seq-mean-token-sum":  # each sequence's sum, the mean over sequences
+            return per_row.mean()
+        if mode == "seq-mean-token-sum-norm":  # Dr. GRPO: the token sum / (sequences x max_response_length)
+            return per_row.sum() / (len(mk) * R)
+        return (per_row / mk.sum(-1)).mean()  # seq-mean-token-mean: each sequence's token mean, their mean
+
     # per mini-batch losses and gradients, one dense process
-    rows_ent = (ent * mask).sum(-1)
-    want_ent = rows_ent.sum() / mask.sum() if mode == "token-mean" else rows_ent.mean()  # (no empty response here)
-    assert got["actor/entropy"] == pytest.approx(want_ent.item(), rel=1e-5)
+    assert got["actor/entropy"] == pytest.approx(agg(ent, mask).item(), rel=1e-5)
     want = {"actor/pg_loss": [], "actor/kl_loss": [], "actor/grad_norm": []}
     for start in range(0, 128, 64):
         rows = slice(start, start + 64)
         mk, A = mask[rows], T["advantages"][rows]
-        den = mk.sum() if mode == "token-mean" else (mk.sum(-1) > 0).sum()
         lp = logp[rows]
         ratio = torch.exp(lp - lp.detach())
-        pg = (-A * ratio * mk).sum() / den
-        kl_loss = ((lp - ref_logp[rows]) * mk).sum() / den
+        pg = agg(-A * ratio, mk)
+        kl_loss = agg(lp - ref_logp[rows], mk)
         actor.zero_grad()
-        (pg + coef * kl_loss - ec * (ent[rows] * mk).sum() / den).backward(retain_graph=True)  # an entropy bonus
+        (pg + coef * kl_loss - ec * agg(ent[rows], mk)).backward(retain_graph=True)  # an entropy bonus
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in actor.parameters() if p.grad is not None))
         want["actor/pg_loss"].append(pg.item())
         want["actor/kl_loss"].append(kl_loss.item())
@@ -589,10 +600,62 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
     assert abs(got["actor/ppo_kl"]) < 1e-6
 
 
+def test_ppo_kl_and_clipfracs_after_an_update_match_a_dense_reference(small_synth, tmp_path):
+    """PPO, two epochs over one mini-batch: the second optimizer step's policy and critic were moved by the first, so
+    its ratio is no longer 1. Logged: the mean over the two steps of ppo_kl = sum m (logp_old - logp) / sum m, and of
+    pg_clipfrac and vf_clipfrac, the tokens whose clipped branch is the larger / sum m; the first step's are 0 (the
+    weights that made pi_old and the values). Token counts, not the sequences that seq-mean-token-sum divides the
+    losses by. Reference: dense log-probs and values under copies of the weights each optimizer step started from."""
+    c, cr = 0.05, 1e-3  # clip ratios that the first step's moves exceed on some tokens, not on all
+    t = trainer(small_synth, tmp_path, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
+                "algorithm.adv_estimator=gae", "actor.loss_agg_mode=seq-mean-token-sum",
+                "critic.loss_agg_mode=seq-mean-token-sum", f"actor.clip_ratio_low={c}", f"actor.clip_ratio_high={c}",
+                f"critic.cliprange_value={cr}")
+    starts = {"actor": [], "critic": []}  # each optimizer step's starting weights
+    for name in starts:
+        role = getattr(t, name)
+
+        def step(lr, _real=role.optim.step, _role=role, _seen=starts[name]):
+            _seen.append({n: p.detach().clone() for n, p in _role.model.named_parameters()})
+            return _real(lr)
+        role.optim.step = step
+    got, batch = step_with_batch(t)
+    T, mask, R = batch.tensors, batch.response_mask, batch.response_mask.shape[1]
+    assert [len(v) for v in starts.values()] == [2, 2] and mask.sum(-1).min() >= 1
+    path, seed, A, ret = t.cfg.actor.model_path, t.cfg.trainer.seed, T["advantages"], T["returns"]
+    with torch.no_grad():
+        logp = [_dense(_copy_of(path, seed, w), batch.prompts, batch.responses, R, 1.0)[0].double()
+                for w in starts["actor"]]
+        values = []
+        for w in starts["critic"]:
+            critic = load_model(path, random_init=True, seed=seed, value_head=True, lm_head=False)
+            for name, param in critic.named_parameters():
+                param.copy_(w[name])
+            v = []
+            for p, r in zip(batch.prompts, batch.responses):
+                ids, n = torch.tensor(p + r), len(p) + len(r)
+                out = critic.values(critic.packed(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n))
+                v.append(torch.cat([out[len(p) - 1:n - 1].double(), torch.zeros(R - len(r), dtype=torch.float64)]))
+            values.append(torch.stack(v))
+    m, tokens = mask.bool(), mask.sum()
+    assert (T["old_log_probs"] - logp[0])[m].abs().max() <= 1e-5 and (T["values"] - values[0])[m].abs().max() <= 1e-5
+    kl = [float((logp[0] - lp)[m].sum() / tokens) for lp in logp]
+    ratio = [torch.exp(lp - logp[0]) for lp in logp]
+    pg_cf = [float(((-A * torch.clamp(r, 1 - c, 1 + c) > -A * r) & m).sum() / tokens) for r in ratio]
+    clipped = [torch.clamp(v, values[0] - cr, values[0] + cr) for v in values]
+    vf_cf = [float((((vc - ret) ** 2 > (v - ret) ** 2) & m).sum() / tokens) for v, vc in zip(values, clipped)]
+    assert kl[0] == 0.0 and pg_cf[0] == vf_cf[0] == 0.0
+    assert abs(kl[1]) > 1e-3 and 0 < pg_cf[1] < 1 and 0 < vf_cf[1] < 1, (kl, pg_cf, vf_cf)
+    assert got["actor/ppo_kl"] == pytest.approx(sum(kl) / 2, rel=1e-4)
+    assert got["actor/pg_clipfrac"] == pytest.approx(sum(pg_cf) / 2, rel=1e-6)
+    assert got["critic/vf_clipfrac"] == pytest.approx(sum(vf_cf) / 2, rel=1e-6)
+
+
 def test_config_values_reach_the_algorithms(small_synth, tmp_path, monkeypatch):
     """Each algorithm key arrives at the function that uses it (the functions themselves are checked against
-    references in test_algorithms.py): PPO's clip ratios, GAE's gamma and lam, the critic's value clip, the rollout
-    IS threshold and level; then GRPO without the std normalisation (Dr. GRPO)."""
+    references in test_algorithms.py): PPO's clip ratios, GAE's gamma and lam, the critic's value clip and loss
+    aggregation (not the actor's), the rollout IS threshold and level; then GRPO without the std normalisation
+    (Dr. GRPO)."""
     seen = {}
     for name in ("compute_policy_loss", "compute_value_loss", "compute_advantage", "compute_rollout_is_weights"):
         def spy(*a, _real=getattr(train.alg, name), _name=name, **kw):
@@ -600,13 +663,16 @@ def test_config_values_reach_the_algorithms(small_synth, tmp_path, monkeypatch):
             return _real(*a, **kw)
         monkeypatch.setattr(train.alg, name, spy)
     t = trainer(small_synth, tmp_path / "ppo", "algorithm.adv_estimator=gae", "algorithm.gamma=0.95",
-                "algorithm.lam=0.9", "critic.cliprange_value=0.3", "actor.clip_ratio_low=0.15",
+                "algorithm.lam=0.9", "critic.cliprange_value=0.3", "critic.loss_agg_mode=seq-mean-token-sum",
+                "actor.loss_agg_mode=seq-mean-token-mean", "actor.clip_ratio_low=0.15",
                 "actor.clip_ratio_high=0.33", "actor.clip_ratio_c=4.0", "algorithm.rollout_is.enable=true",
                 "algorithm.rollout_is.level=sequence", "algorithm.rollout_is.threshold=3.0")
     t.train_step()
     kw = seen["compute_policy_loss"][1]
     assert (kw["clip_ratio_low"], kw["clip_ratio_high"], kw["clip_ratio_c"]) == (0.15, 0.33, 4.0)
-    assert seen["compute_value_loss"][1]["cliprange_value"] == 0.3
+    assert (kw["loss_agg_mode"], kw["horizon"]) == ("seq-mean-token-mean", 4)  # (tiny.yaml: max_response_length 4)
+    vkw = seen["compute_value_loss"][1]
+    assert (vkw["cliprange_value"], vkw["loss_agg_mode"]) == (0.3, "seq-mean-token-sum")
     adv = seen["compute_advantage"]
     assert adv[0][0] == "gae" and (adv[1]["gamma"], adv[1]["lam"]) == (0.95, 0.9)
     assert seen["compute_rollout_is_weights"][0][3:] == (3.0, "sequence")
@@ -658,16 +724,31 @@ def test_dynamic_sampling_on_seq_reward_filters_on_the_shaped_score(small_synth,
 
 def test_ppo_returns_carry_the_outcome_reward_to_every_response_token(small_synth, tmp_path):
     """The outcome reward sits on a response's last token, so with gamma = lam = 1 GAE's return (reward to go) is the
-    sequence's score at every one of its tokens: critic/returns/mean is the token-weighted mean score (by hand)."""
+    sequence's score at every one of its tokens: critic/returns/mean is the token-weighted mean score (by hand).
+    Then the critic's loss, under critic.loss_agg_mode=seq-mean-token-mean (the actor keeps token-mean): one
+    mini-batch and epoch, so its prediction is the value it was given (no clip), and vf_loss = 0.5 mean over
+    sequences of mean_t (V_t - score)^2, V from each sequence alone through a copy of the critic taken before the step
+    (the value at the position that predicts the response token, as verl's); token-mean's sum / its count (the
+    critic's: sequences) would miss by the length."""
     t = train.Trainer(train.load_config(CONFIG, overrides(
         small_synth, str(tmp_path), "trainer.total_steps=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-        "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0")))
+        "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0",
+        "critic.loss_agg_mode=seq-mean-token-mean")))
     t.score = lambda batch: (torch.linspace(-1.0, 1.0, len(batch)), {}, 0, [])
+    critic = copy.deepcopy(t.critic.model)
     got, batch = step_with_batch(t)
     lens, score = batch.response_mask.sum(-1), torch.linspace(-1.0, 1.0, len(batch))
     assert lens.min() >= 1 and lens.max() > 1
     assert got["critic/returns/mean"] == pytest.approx(((score * lens).sum() / lens.sum()).item(), abs=1e-5)
     assert got["critic/rewards/mean"] == pytest.approx(score.mean().item(), abs=1e-6)
+    per_seq = []
+    with torch.no_grad():
+        for p, r, s in zip(batch.prompts, batch.responses, score.tolist()):
+            ids, n = torch.tensor(p + r), len(p) + len(r)
+            v = critic.values(critic.packed(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n))
+            per_seq.append(float(((v[len(p) - 1:n - 1].double() - s) ** 2).mean()))
+    want = 0.5 * sum(per_seq) / len(per_seq)
+    assert got["critic/vf_loss"] == pytest.approx(want, rel=1e-5) and got["critic/vf_clipfrac"] == 0.0
 
 
 def trainer(synth, out, *extra):
@@ -718,6 +799,50 @@ def test_config_mapping_override_merges_into_the_section(small_synth, tmp_path):
 def test_config_betas_must_be_below_one(small_synth, tmp_path):
     with pytest.raises(ValueError, match=r"actor\.optim\.betas=\[0\.9, 1\.0\] must be two numbers in \[0, 1\)"):
         train.load_config(CONFIG, overrides(small_synth, tmp_path, "actor.optim.betas=[0.9, 1.0]"))
+
+
+OUT_OF_BOUNDS = [  # (override, the error it must give), written out by hand; None: a YAML without data.train_files
+    ("data.max_response_length=0", r"data\.max_response_length=0 must be >= 1"),
+    ("rollout.val_n=0", r"rollout\.val_n=0 must be >= 1"),
+    ("trainer.timeout_s=0", r"trainer\.timeout_s=0 must be >= 1"),
+    ("data.gen_batch_size=-1", r"data\.gen_batch_size=-1 must be >= 0"),
+    ("actor.clip_ratio_high=-0.1", r"actor\.clip_ratio_high=-0\.1 must be >= 0"),
+    ("critic.cliprange_value=-1", r"critic\.cliprange_value=-1\.0 must be >= 0"),
+    ("critic.optim.lr=-1", r"critic\.optim\.lr=-1\.0 must be >= 0"),
+    ("rollout.val_top_k=-2", r"rollout\.val_top_k=-2 must be >= -1"),
+    ("algorithm.kl_ctrl.target_kl=0", r"algorithm\.kl_ctrl\.target_kl=0\.0 must be > 0"),
+    ("algorithm.rollout_is.threshold=0", r"algorithm\.rollout_is\.threshold=0\.0 must be > 0"),
+    ("trainer.peak_tflops=0", r"trainer\.peak_tflops=0\.0 must be > 0"),
+    ("algorithm.kl_penalty=foo", r"algorithm\.kl_penalty='foo' is not one of "
+                                 r"\['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3'\]"),
+    ("actor.kl_loss_type=foo", r"actor\.kl_loss_type='foo' is not one of "
+                               r"\['kl', 'k1', 'abs', 'mse', 'k2', 'low_var_kl', 'k3'\]"),
+    ("algorithm.kl_ctrl.type=foo", r"algorithm\.kl_ctrl\.type='foo' is not one of \['fixed', 'adaptive'\]"),
+    ("critic.optim.lr_schedule=foo",
+     r"critic\.optim\.lr_schedule='foo' is not one of \['constant', 'cosine', 'linear'\]"),
+    ("trainer.device=tpu", r"trainer\.device='tpu' is not one of \['auto', 'cpu', 'cuda'\]"),
+    ("critic.loss_agg_mode=mean", r"critic\.loss_agg_mode='mean' is not one of \['token-mean', 'seq-mean-token-sum', "
+                                  r"'seq-mean-token-mean', 'seq-mean-token-sum-norm'\]"),
+    ("actor.optim.betas=[-0.1,0.9]", r"actor\.optim\.betas=\[-0\.1, 0\.9\] must be two numbers in \[0, 1\)"),
+    (None, r"c\.yaml: data\.train_files is required"),
+]
+
+
+@pytest.mark.parametrize("bad, message", OUT_OF_BOUNDS, ids=[b or "no-train-files" for b, _ in OUT_OF_BOUNDS])
+def test_config_refuses_a_value_out_of_bounds(small_synth, tmp_path, bad, message):
+    """Each key's bound or choices, and a required key, checked at load time: the error names the override (or the
+    file), the key, the value and what it must be."""
+    if bad is None:  # (tiny.yaml names train files, as every override list here does)
+        with open(CONFIG) as f:
+            raw = yaml.safe_load(f)
+        del raw["data"]["train_files"]
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        args = (str(path), [ov for ov in overrides(small_synth, tmp_path) if not ov.startswith("data.train_files=")])
+    else:
+        args, message = (CONFIG, overrides(small_synth, tmp_path, bad)), f"override {re.escape(repr(bad))}: {message}"
+    with pytest.raises(ValueError, match=message):
+        train.load_config(*args)
 
 
 def test_config_overlong_buffer_may_span_the_whole_response(small_synth, tmp_path):
