@@ -60,11 +60,14 @@ def test_config_keys_read_as_transformers_reads_them(tmp_path):
     base, L, windows = {k: v for k, v in cfg.items() if k not in ("layer_types", "max_window_layers")}, 4, []
     for extra in ({}, {"use_sliding_window": True}, {"use_sliding_window": True, "max_window_layers": 2},
                   {"use_sliding_window": True, "max_window_layers": 2, "layer_types": ["full_attention"] * L},
-                  {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"] * (L // 2)}):
+                  {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"] * (L // 2)},
+                  # the default max_window_layers (28) at its boundary: 28 layers none slide, 29 the last one does
+                  {"use_sliding_window": True, "num_hidden_layers": 28},
+                  {"use_sliding_window": True, "num_hidden_layers": 29}):
         hf = Qwen2Config.from_dict(c := {**base, "num_hidden_layers": L, "sliding_window": 16, **extra})
         windows.append(ModelConfig.from_hf(c).sliding_window)
         assert windows[-1] == (hf.sliding_window if "sliding_attention" in hf.layer_types else None), extra
-    assert windows == [None, None, 16, None, 16]
+    assert windows == [None, None, 16, None, 16, None, 16]
     # rope_scaling, when present, replaces rope_parameters (transformers 5), its theta too (no top-level one: 1e4)
     both = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
     assert ModelConfig.from_hf(both).rope_theta == 5e5
@@ -102,9 +105,14 @@ def test_gradients_match_transformers_and_checkpointing(family, tmp_path):
     ids, pos, cu, mx = packed(seqs)
     tgt = torch.roll(ids, -1)
 
+    saved = []  # tensors autograd keeps for the backward, per loss_of call
+
     def loss_of(m):
         m.zero_grad()
-        loss = torch.nn.functional.cross_entropy(m.logits(m.packed(ids, pos, cu, mx)), tgt)
+        saved.append(0)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.__setitem__(-1, saved[-1] + 1) or t,
+                                                      lambda t: t):
+            loss = torch.nn.functional.cross_entropy(m.logits(m.packed(ids, pos, cu, mx)), tgt)
         loss.backward()
         return {n: p.grad.clone() for n, p in m.named_parameters()}
 
@@ -113,6 +121,9 @@ def test_gradients_match_transformers_and_checkpointing(family, tmp_path):
     g2 = loss_of(ours)
     for n in g1:
         assert torch.equal(g1[n], g2[n]), n
+    # and checkpointing is applied: a checkpointed layer keeps only its inputs (packed by checkpoint's own hooks),
+    # not its ~40 intermediates, so only the tensors outside the 4 layers remain (embedding, final norm, head, loss)
+    assert saved[1] * 4 < saved[0], saved
     # transformers: the same loss over the same packed tokens, one sequence at a time
     ref.zero_grad()
     total = 0
@@ -394,6 +405,57 @@ def test_random_init_norms_are_ones_and_biases_zeros(tmp_path):
     for n, p in m.named_parameters():
         if p.dim() > 1:
             assert abs(p.std().item() - 0.02) < 0.004, n
+
+
+def test_value_head_starts_near_zero(tmp_path):
+    """load_model(value_head=True): the critic's head is initialised small (weight std 1e-3, bias exactly 0), so
+    the critic's first values are near zero; nn.Linear's default would leave a bias of up to 1/sqrt(64) = 0.125.
+    For a checkpoint's weights and for random_init alike (the head is never in the checkpoint)."""
+    path = helpers.make_checkpoint(str(tmp_path), "qwen2", with_tokenizer=False)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
+    for kw in (dict(), dict(random_init=True)):
+        m = load_model(path, value_head=True, **kw)
+        w, b = m.value_head.weight, m.value_head.bias
+        assert w.shape == (1, 64) and torch.equal(b, torch.zeros(1)), kw
+        assert 0.7e-3 < w.std().item() < 1.3e-3, kw  # 64 draws (seeded): the estimate's own sd is ~9%
+        with torch.no_grad():
+            v = m.values(m.packed(*packed([ids])))
+        # final-normed hidden states have RMS ~1: values ~ N(0, (1e-3 * 8)^2), all 40 well inside 0.05 (6 sigma)
+        assert v.shape == (40,) and v.abs().max().item() < 0.05, kw
+
+
+def test_rms_norm_matches_transformers_bit_for_bit_in_bf16():
+    """RMSNorm in bf16 normalises in fp32, casts to bf16, then scales by the bf16 weight, as transformers does:
+    scaling in fp32 before the cast rounds differently. fp32 models cannot tell the orders apart, and the bf16 model
+    test allows 5%: compare bit for bit with transformers' norm modules, and the q/k-norm path of rope_qkv (with a
+    zero rotation, cos 1 and sin 0, which leaves its input exact) with Qwen3's."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 128, generator=g) * 3).bfloat16()
+    w = (1 + torch.randn(128, generator=g) * 0.3).bfloat16()
+    ref = LlamaRMSNorm(128, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        want = ref(x)
+    ours = model.RMSNorm(128, 1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        got = ours(x)
+    assert want.dtype == got.dtype == torch.bfloat16
+    assert torch.equal(model.rms_norm(x, w, 1e-6), want) and torch.equal(got, want)
+    # q/k norms: [T, h + 2 hkv, d] heads, q heads normed by wq, k heads by wk, v untouched
+    T, h, hkv, d = 16, 4, 2, 32
+    qkv = (torch.randn(T, h + 2 * hkv, d, generator=g) * 3).bfloat16()
+    wq, wk = ((1 + torch.randn(d, generator=g) * 0.3).bfloat16() for _ in range(2))
+    qn, kn = Qwen3RMSNorm(d, eps=1e-6).bfloat16(), Qwen3RMSNorm(d, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        qn.weight.copy_(wq)
+        kn.weight.copy_(wk)
+        q, k, v = qkv.split([h, hkv, hkv], 1)
+        want = torch.cat([qn(q), kn(k), v], 1)
+    got = model.rope_qkv(qkv, torch.ones(T, d // 2), torch.zeros(T, d // 2), h, hkv, wq, wk, 1e-6)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 def test_sequence_of_exactly_the_sliding_window_runs_and_matches_transformers(tmp_path):

@@ -86,6 +86,22 @@ def test_continuous_batching_with_a_small_cache(model):
     b = Generator(model, max_rows=32).generate(prompts, sampled, eos_token_ids=[eos])
     assert tokens(a) == tokens(b)
     assert small.stats["compactions"] + three.stats["compactions"] >= 1  # the tail moved rows forward
+    # a compaction moves a row's whole state: its noise key and its own max_new_tokens too (sampled, per-prompt
+    # limits, many stops so that rows end at different times): equal to a cache that never compacts
+    mixed = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, stop_token_ids=tuple(range(0, 256, 5)), seed=3)
+    limits = [12, 3, 12, 5, 12, 2, 12]
+    five = Generator(model, max_rows=5, sync_every=2)
+    a = five.generate(prompts, mixed, max_new_tokens=limits)
+    roomy = Generator(model, max_rows=14)
+    b = roomy.generate(prompts, mixed, max_new_tokens=limits)
+    assert five.stats["compactions"] >= 1 and roomy.stats["compactions"] == 0
+    assert tokens(a) == tokens(b) and {c.finish_reason for c in a} == {"stop", "length"}
+    for c in a:
+        assert len(c.token_ids) <= limits[c.prompt_index]
+        p = prompts[c.prompt_index]
+        logits = teacher_logits(model, p + c.token_ids)[len(p) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - want).abs().max().item() <= 1e-5, (c.prompt_index, c.sample_index)
 
 
 # ----------------------------------------------------------------------------- log-probs and sampling
@@ -335,6 +351,37 @@ def test_n_samples_share_one_prefill(model):
     assert small.stats["prefill_tokens"] == 36
 
 
+def test_prefill_is_chunked_by_max_prefill_tokens(model):
+    """Admitted prompts are prefilled in packed chunks of at most max_prefill_tokens tokens (a prompt longer than
+    that alone in its chunk): with a budget of 4, prompts of 3, 1, 6, 2 tokens make chunks [3, 1] (exactly 4),
+    [6], [2], so 3 forwards where an unlimited budget makes 1. The chunking does not change the completions."""
+    prompts = rand_prompts((3, 1, 6, 2), seed=14)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=2)
+    whole = Generator(model, max_rows=8)
+    want = whole.generate(prompts, params)
+    chunked = Generator(model, max_rows=8, max_prefill_tokens=4)
+    got = chunked.generate(prompts, params)
+    assert whole.stats["prefill_forwards"] == 1 and chunked.stats["prefill_forwards"] == 3
+    assert chunked.stats["prefill_tokens"] == whole.stats["prefill_tokens"] == 12
+    assert tokens(got) == tokens(want)
+    assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+
+
+def test_free_then_generate_again(model):
+    """free() drops the cache and its buffers (the model stays); the next generate() allocates them again and gives
+    the same completions, with a fixed max_len and with the cache sized at first use."""
+    prompts = rand_prompts((5, 9, 3), seed=15)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=4)
+    for max_len in (16, None):
+        gen = Generator(model, max_rows=3, max_len=max_len)
+        first = gen.generate(prompts, params)
+        gen.free()
+        assert gen.cache is None and gen.tok is None and gen.out_tok is None
+        again = gen.generate(prompts, params)
+        assert gen.cache is not None and tokens(again) == tokens(first), max_len
+        assert [c.logprobs for c in again] == [c.logprobs for c in first], max_len
+
+
 def test_per_request_seeds_do_not_depend_on_the_batch(model):
     """With seeds, a prompt's samples are the same whatever else is in the batch and wherever it stands; without,
     the draws are keyed by the prompt's index, so the same prompt moved in the batch draws differently."""
@@ -419,6 +466,23 @@ def test_cache_sized_at_first_use_keeps_the_rows_its_budget_holds(model):
     gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
     assert (gen.cache.rows, gen.cache.max_len) == (4, 128)
 
+
+@pytest.mark.parametrize("family,dtype", [("qwen2", torch.float32), ("qwen2", torch.bfloat16),
+                                          ("qwen3", torch.bfloat16)])
+def test_kv_cache_bytes_per_token(family, dtype, tmp_path):
+    """On CUDA the row count is free memory // KVCache.bytes_per_token: it must be what the cache takes per
+    position, k and v of every layer and (local) KV head, here against the allocated tensor and by hand. GQA (4 q
+    heads, 2 kv heads); qwen3 has head_dim 24 != 64 / 4."""
+    from model import KVCache
+    m = load_model(helpers.make_checkpoint(str(tmp_path), family, with_tokenizer=False), dtype=dtype).eval()
+    gen = Generator(m, max_rows=3, max_len=20)
+    kv = gen.cache.kv
+    per = KVCache.bytes_per_token(m.cfg, 4, 1, dtype)
+    assert kv.dtype == dtype and kv.numel() * kv.element_size() == 3 * 20 * per
+    d, size = (24 if family == "qwen3" else 16), (4 if dtype == torch.float32 else 2)
+    assert per == 2 * 4 * 2 * d * size  # k and v, 4 layers, 2 kv heads, head_dim d, bytes per element
+    assert KVCache.bytes_per_token(m.cfg, 4, 2, dtype) == per // 2  # tp=2: one kv head a rank
+    assert KVCache.bytes_per_token(m.cfg, 4, 4, dtype) == per // 2  # tp=4: each kv head held by two ranks
 
 
 def test_cli_checks_the_sampling_options_first(capsys):
@@ -803,6 +867,22 @@ def test_cli_uses_seed_and_stops_at_the_generation_config_eos(tmp_path, capsys, 
     run("--temperature", "5", "--n", "32")
     ntok = len(AutoTokenizer.from_pretrained(path))
     assert ntok < 272 and len(drawn) == 32 and max(t for c in drawn for t in c.token_ids) < ntok
+    # --top-p / --top-k reach the sampler; --chat wraps the prompt in the tokenizer's chat template (the ids are
+    # apply_chat_template's, no special tokens added on top) and the printed text starts with the templated prompt
+    calls = []
+    monkeypatch.setattr(rollout.Generator, "generate", lambda self, prompts, params, **k: calls.append(
+        (prompts, params)) or generate(self, prompts, params, **k))
+    run("--top-p", "0.5", "--top-k", "3", "--seed", "7")
+    assert (calls[-1][1].top_p, calls[-1][1].top_k, calls[-1][1].seed) == (0.5, 3, 7) and calls[-1][0] == [ids]
+    tok = AutoTokenizer.from_pretrained(path)
+    msgs = [{"role": "user", "content": "hello"}]
+    rollout.main([path, "--prompt", "hello", "--max-new-tokens", "2", "--chat"])
+    templated = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert templated == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert calls[-1][0] == [list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("=== prompt 0 sample 0") and "\n".join(out[1:]).startswith(templated)
 
 
 # ----------------------------------------------------------------------------- rollout.py: limits at their boundary

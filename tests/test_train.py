@@ -258,11 +258,18 @@ def test_layouts_agree_with_dp2(synth, tmp_path, layout):
 
 
 def test_samples_do_not_depend_on_the_number_of_replicas(synth, tmp_path):
-    """Each prompt's seed comes from its index in the whole batch: one process draws what two replicas draw."""
+    """Each prompt's seed comes from its index in the whole batch: one process draws what two replicas draw. The
+    per-GPU rates divide by the processes: perf/throughput = the batch's tokens / step time / world, and the MFU
+    of the same batch's FLOPs (the one-process run's MFU x its update time) / world / update time."""
     one = helpers.run_distributed(_first_step, 1, synth, str(tmp_path / "one"), [])
     two = helpers.run_distributed(_first_step, 2, synth, str(tmp_path / "two"), [])
     for k in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy"):
         assert abs(one[0][k] - two[0][k]) <= 1e-5 * max(1.0, abs(one[0][k])), (k, one[0][k], two[0][k])
+    assert one[0]["perf/total_num_tokens"] == two[0]["perf/total_num_tokens"]
+    for world, r in ((1, one[0]), (2, two[0])):
+        assert r["perf/throughput"] == pytest.approx(r["perf/total_num_tokens"] / r["timing_s/step"] / world, rel=1e-9)
+    work = one[0]["perf/mfu/actor"] * one[0]["timing_s/update_actor"]  # FLOPs / peak, one process
+    assert two[0]["perf/mfu/actor"] == pytest.approx(work / 2 / two[0]["timing_s/update_actor"], rel=1e-6)
 
 
 def _stable(rows):
@@ -601,13 +608,14 @@ def test_first_step_metrics_and_gradient_match_a_dense_reference(small_synth, tm
 
 
 def test_ppo_kl_and_clipfracs_after_an_update_match_a_dense_reference(small_synth, tmp_path):
-    """PPO, two epochs over one mini-batch: the second optimizer step's policy and critic were moved by the first, so
-    its ratio is no longer 1. Logged: the mean over the two steps of ppo_kl = sum m (logp_old - logp) / sum m, and of
-    pg_clipfrac and vf_clipfrac, the tokens whose clipped branch is the larger / sum m; the first step's are 0 (the
+    """PPO, two epochs over two mini-batches (A, B, A, B): each optimizer step after the first starts from weights
+    the earlier steps moved, so its ratio is no longer 1. Logged: the mean over the four steps of
+    ppo_kl = sum m (logp_old - logp) / sum m, and of pg_clipfrac and vf_clipfrac, the tokens whose clipped branch is
+    the larger / sum m, with m the step's own mini-batch's mask (not the whole batch's); the first step's are 0 (the
     weights that made pi_old and the values). Token counts, not the sequences that seq-mean-token-sum divides the
     losses by. Reference: dense log-probs and values under copies of the weights each optimizer step started from."""
     c, cr = 0.05, 1e-3  # clip ratios that the first step's moves exceed on some tokens, not on all
-    t = trainer(small_synth, tmp_path, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2",
+    t = trainer(small_synth, tmp_path, "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=2",
                 "algorithm.adv_estimator=gae", "actor.loss_agg_mode=seq-mean-token-sum",
                 "critic.loss_agg_mode=seq-mean-token-sum", f"actor.clip_ratio_low={c}", f"actor.clip_ratio_high={c}",
                 f"critic.cliprange_value={cr}")
@@ -621,7 +629,10 @@ def test_ppo_kl_and_clipfracs_after_an_update_match_a_dense_reference(small_synt
         role.optim.step = step
     got, batch = step_with_batch(t)
     T, mask, R = batch.tensors, batch.response_mask, batch.response_mask.shape[1]
-    assert [len(v) for v in starts.values()] == [2, 2] and mask.sum(-1).min() >= 1
+    assert [len(v) for v in starts.values()] == [4, 4] and mask.sum(-1).min() >= 1
+    half = len(batch) // 2  # 2 prompts x n samples a mini-batch
+    minis = [slice(0, half), slice(half, len(batch))] * 2  # the rows of each optimizer step
+    assert float(mask[minis[0]].sum()) != float(mask[minis[1]].sum())  # their token counts differ
     path, seed, A, ret = t.cfg.actor.model_path, t.cfg.trainer.seed, T["advantages"], T["returns"]
     with torch.no_grad():
         logp = [_dense(_copy_of(path, seed, w), batch.prompts, batch.responses, R, 1.0)[0].double()
@@ -637,37 +648,52 @@ def test_ppo_kl_and_clipfracs_after_an_update_match_a_dense_reference(small_synt
                 out = critic.values(critic.packed(ids, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n))
                 v.append(torch.cat([out[len(p) - 1:n - 1].double(), torch.zeros(R - len(r), dtype=torch.float64)]))
             values.append(torch.stack(v))
-    m, tokens = mask.bool(), mask.sum()
+    m = mask.bool()
     assert (T["old_log_probs"] - logp[0])[m].abs().max() <= 1e-5 and (T["values"] - values[0])[m].abs().max() <= 1e-5
-    kl = [float((logp[0] - lp)[m].sum() / tokens) for lp in logp]
-    ratio = [torch.exp(lp - logp[0]) for lp in logp]
-    pg_cf = [float(((-A * torch.clamp(r, 1 - c, 1 + c) > -A * r) & m).sum() / tokens) for r in ratio]
-    clipped = [torch.clamp(v, values[0] - cr, values[0] + cr) for v in values]
-    vf_cf = [float((((vc - ret) ** 2 > (v - ret) ** 2) & m).sum() / tokens) for v, vc in zip(values, clipped)]
+    kl, pg_cf, vf_cf = [], [], []
+    for rows, lp, v in zip(minis, logp, values):
+        mk, tokens, a, r = m[rows], mask[rows].sum(), A[rows], ret[rows]
+        kl.append(float((logp[0][rows] - lp[rows])[mk].sum() / tokens))
+        ratio = torch.exp(lp[rows] - logp[0][rows])
+        pg_cf.append(float(((-a * torch.clamp(ratio, 1 - c, 1 + c) > -a * ratio) & mk).sum() / tokens))
+        vc = torch.clamp(v[rows], values[0][rows] - cr, values[0][rows] + cr)
+        vf_cf.append(float((((vc - r) ** 2 > (v[rows] - r) ** 2) & mk).sum() / tokens))
     assert kl[0] == 0.0 and pg_cf[0] == vf_cf[0] == 0.0
-    assert abs(kl[1]) > 1e-3 and 0 < pg_cf[1] < 1 and 0 < vf_cf[1] < 1, (kl, pg_cf, vf_cf)
-    assert got["actor/ppo_kl"] == pytest.approx(sum(kl) / 2, rel=1e-4)
-    assert got["actor/pg_clipfrac"] == pytest.approx(sum(pg_cf) / 2, rel=1e-6)
-    assert got["critic/vf_clipfrac"] == pytest.approx(sum(vf_cf) / 2, rel=1e-6)
+    assert min(abs(x) for x in kl[1:]) > 1e-3 and 0 < sum(pg_cf) / 4 < 0.75 and 0 < sum(vf_cf) / 4 < 0.75, \
+        (kl, pg_cf, vf_cf)
+    assert got["actor/ppo_kl"] == pytest.approx(sum(kl) / 4, rel=1e-4)
+    assert got["actor/pg_clipfrac"] == pytest.approx(sum(pg_cf) / 4, rel=1e-6)
+    assert got["critic/vf_clipfrac"] == pytest.approx(sum(vf_cf) / 4, rel=1e-6)
 
 
 def test_config_values_reach_the_algorithms(small_synth, tmp_path, monkeypatch):
     """Each algorithm key arrives at the function that uses it (the functions themselves are checked against
     references in test_algorithms.py): PPO's clip ratios, GAE's gamma and lam, the critic's value clip and loss
     aggregation (not the actor's), the rollout IS threshold and level; then GRPO without the std normalisation
-    (Dr. GRPO)."""
-    seen = {}
+    (Dr. GRPO). actor.gradient_checkpointing reaches the models trained (off by default). The rollout IS weights'
+    direction, pi_old / pi_rollout: the generator's log-probs are shifted by d = -0.3 on every response token, so the
+    sequence-level weight given to the policy loss is min(exp(-d * length), 3) (by hand; pi_old equals the unshifted
+    rollout log-probs to ~1e-6 on CPU fp32), not its inverse."""
+    seen, d = {}, -0.3
     for name in ("compute_policy_loss", "compute_value_loss", "compute_advantage", "compute_rollout_is_weights"):
         def spy(*a, _real=getattr(train.alg, name), _name=name, **kw):
             seen[_name] = (a, kw)
             return _real(*a, **kw)
         monkeypatch.setattr(train.alg, name, spy)
+
+    def shifted(self, items, seed, val=False, _real=train.Trainer.generate):
+        b = _real(self, items, seed, val)
+        b.rollout_log_probs = b.rollout_log_probs + d * b.response_mask
+        return b
+    monkeypatch.setattr(train.Trainer, "generate", shifted)
     t = trainer(small_synth, tmp_path / "ppo", "algorithm.adv_estimator=gae", "algorithm.gamma=0.95",
                 "algorithm.lam=0.9", "critic.cliprange_value=0.3", "critic.loss_agg_mode=seq-mean-token-sum",
                 "actor.loss_agg_mode=seq-mean-token-mean", "actor.clip_ratio_low=0.15",
                 "actor.clip_ratio_high=0.33", "actor.clip_ratio_c=4.0", "algorithm.rollout_is.enable=true",
-                "algorithm.rollout_is.level=sequence", "algorithm.rollout_is.threshold=3.0")
-    t.train_step()
+                "algorithm.rollout_is.level=sequence", "algorithm.rollout_is.threshold=3.0",
+                "actor.gradient_checkpointing=true")
+    assert t.actor.model.gradient_checkpointing is True and t.critic.model.gradient_checkpointing is True
+    _, batch = step_with_batch(t)
     kw = seen["compute_policy_loss"][1]
     assert (kw["clip_ratio_low"], kw["clip_ratio_high"], kw["clip_ratio_c"]) == (0.15, 0.33, 4.0)
     assert (kw["loss_agg_mode"], kw["horizon"]) == ("seq-mean-token-mean", 4)  # (tiny.yaml: max_response_length 4)
@@ -675,8 +701,17 @@ def test_config_values_reach_the_algorithms(small_synth, tmp_path, monkeypatch):
     assert (vkw["cliprange_value"], vkw["loss_agg_mode"]) == (0.3, "seq-mean-token-sum")
     adv = seen["compute_advantage"]
     assert adv[0][0] == "gae" and (adv[1]["gamma"], adv[1]["lam"]) == (0.95, 0.9)
-    assert seen["compute_rollout_is_weights"][0][3:] == (3.0, "sequence")
-    trainer(small_synth, tmp_path / "grpo", "algorithm.norm_adv_by_std_in_grpo=false").train_step()
+    isw = seen["compute_rollout_is_weights"][0]
+    assert isw[0] is batch.tensors["old_log_probs"] and isw[1] is batch.rollout_log_probs
+    assert isw[3:] == (3.0, "sequence")
+    mask = seen["compute_policy_loss"][0][3]  # the last micro-batch's rows
+    length = mask.sum(-1, keepdim=True)
+    want = torch.where(mask.bool(), torch.clamp(torch.exp(-d * length), max=3.0), 0.0)
+    assert length.min() < 4 and length.max() == 4  # weights below the threshold and clipped at it
+    torch.testing.assert_close(kw["rollout_is_weights"], want, rtol=1e-4, atol=0)
+    g = trainer(small_synth, tmp_path / "grpo", "algorithm.norm_adv_by_std_in_grpo=false")
+    assert g.actor.model.gradient_checkpointing is False
+    g.train_step()
     adv = seen["compute_advantage"]
     assert adv[0][0] == "grpo" and adv[1]["norm_adv_by_std_in_grpo"] is False
 
@@ -1012,7 +1047,7 @@ def test_val_max_samples_and_the_generations_file(small_synth, tmp_path):
     """val_max_samples=5 of 8, val_batch_size=2: five samples in three batches, a seeded subset in file order (not
     the first five: with several val files a cap would skip the later ones), the same at every validation; 0 takes
     all eight, as in verl. The file holds each sample's own prompt, response, ground truth and score (decoded here
-    from the batches generated)."""
+    from the batches generated), the first 64 samples of a larger validation."""
     t = trainer(small_synth, tmp_path, "data.val_max_samples=5", "data.val_batch_size=2", "rollout.val_temperature=1.0")
     seen, gen, asked, get = [], t.generate, [], t.val_data.get_batch
     t.generate = lambda items, seed, val=False: seen.append(gen(items, seed, val)) or seen[-1]
@@ -1028,10 +1063,17 @@ def test_val_max_samples_and_the_generations_file(small_synth, tmp_path):
     assert picked == sorted(set(picked)) != [0, 1, 2, 3, 4] and len(picked) == 5
     t.validate()
     assert [i for idx in asked for i in idx] == picked * 2
-    everything = trainer(small_synth, tmp_path / "all", "data.val_max_samples=0", "data.val_batch_size=8")
+    # all eight prompts, 9 samples each: the file keeps the first 64 of the 72 generated
+    everything = trainer(small_synth, tmp_path / "all", "data.val_max_samples=0", "data.val_batch_size=8",
+                         "rollout.val_n=9", "rollout.val_temperature=1.0")
     everything.val_data.get_batch = lambda idx: asked.append(idx) or get(idx)
+    seen, gen = [], everything.generate
+    everything.generate = lambda items, seed, val=False: seen.append(gen(items, seed, val)) or seen[-1]
     everything.validate()
-    assert asked[-1] == list(range(8))
+    assert asked[-1] == list(range(8)) and [len(b) for b in seen] == [72]
+    want = [(everything.tokenizer.decode(b.prompts[i]), everything.tokenizer.decode(b.responses[i],
+             skip_special_tokens=True)) for b in seen for i in range(len(b))]
+    assert [(r["prompt"], r["response"]) for r in _val_records(str(tmp_path / "all"))] == want[:64]
 
 
 def test_validation_batches_draw_fresh_noise(small_synth, tmp_path):
@@ -1080,11 +1122,14 @@ def test_validation_averages_by_data_source_and_names_val_n(small_synth, tmp_pat
 # ----------------------------------------------------------------------------- batch metrics
 
 
-def test_batch_metrics_by_hand(small_synth, tmp_path):
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_batch_metrics_by_hand(small_synth, tmp_path, epochs):
     """Length statistics and clip ratio (responses that reached max_response_length = 4) from the batch, and the
     MFU from first principles: 6 FLOPs per weight and token for forward + backward (body weights on every token,
-    the LM head on response tokens), causal attention QK^T and AV at 6 * heads * head_dim * len^2 per layer."""
-    t = trainer(small_synth, tmp_path, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
+    the LM head on response tokens), causal attention QK^T and AV at 6 * heads * head_dim * len^2 per layer; every
+    PPO epoch passes over the batch again, so the update's FLOPs are that times actor.ppo_epochs."""
+    t = trainer(small_synth, tmp_path, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+                f"actor.ppo_epochs={epochs}")
     got, batch = step_with_batch(t)
     rl = torch.tensor([len(r) for r in batch.responses], dtype=torch.float64)
     pl = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float64)
@@ -1099,7 +1144,7 @@ def test_batch_metrics_by_hand(small_synth, tmp_path):
     head = c.vocab_size * c.hidden_size
     tokens, resp = float(rl.sum() + pl.sum()), float(rl.sum())
     attn = 6 * c.num_layers * c.num_heads * c.head_dim * float(((rl + pl) ** 2).sum())
-    flops = 6 * body * tokens + 6 * head * resp + attn
+    flops = (6 * body * tokens + 6 * head * resp + attn) * epochs
     want = flops / got["timing_s/update_actor"] / (t.cfg.trainer.peak_tflops * 1e12)
     assert got["perf/mfu/actor"] == pytest.approx(want, rel=1e-6)
 
