@@ -827,6 +827,8 @@ class ShardedAdamW:
         self._wait()
         views, seen = {n: v for (n, _, _), v in zip(self.index, self.views)}, set()
         for n, t in tensors:
+            if n not in views:
+                raise ValueError(f"optimizer state {name!r}: {n!r} is not a parameter of this model")
             views[n].copy_(t)
             seen.add(n)
         if missing := set(views) - seen:

@@ -8,6 +8,7 @@ built with the `tokenizers` library, wrapped with a Qwen-style chat template.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -119,7 +120,8 @@ def _worker(rank, world_size, port, fn, args, result_dir, backend="gloo"):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # a collective that waits 5 minutes is a deadlock (the slowest test takes ~15 s): fail, do not hang CI
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
         out = fn(rank, world_size, *args)
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
     except BaseException:

@@ -22,9 +22,10 @@ MAX_NORM = 0.05
 # tp=2, pp=2, dp=2; tp=2 over one KV head (bias): replicated KV heads
 TP_CASES_2 = [("qwen3", 2, 1), ("qwen2_tied", 1, 2), ("llama", 1, 1), ("qwen2_kv1", 2, 1)]
 # tp2 x dp2, tp2 x pp2, pp2 x dp2; tp=4 over 2 KV heads with q/k norms (their TP-partial grads), tp2 x pp2 over one
-# KV head; pp=4 tied, where the embedding's holders (first and last stage) are not the only stages
+# KV head; pp=4 tied, where the embedding's holders (first and last stage) are not the only stages; pp2 x dp2 tied,
+# where the tied copy's bucket must wait for the embedding all-reduce before its DP sum
 TP_CASES_4 = [("qwen3", 2, 1), ("qwen2_tied", 2, 2), ("qwen2", 1, 2), ("qwen3", 4, 1), ("qwen2_kv1", 2, 2),
-              ("qwen2_tied", 1, 4)]
+              ("qwen2_tied", 1, 4), ("qwen2_tied", 1, 2)]
 BUCKET = 6000  # elements: ~30 buckets of "qwen3_odd", whose odd hidden size (63) makes some need padding
 
 
@@ -427,8 +428,9 @@ def test_optimizer_single_process(ckpts):
     assert opt.numel == n and sum(x.numel() for x in (opt.master, opt.exp_avg, opt.exp_avg_sq)) == 3 * n
     # the flat buffer holds exactly the parameters, each once
     assert sorted(name for name, _, _ in opt.index) == sorted(name for name, _ in model.named_parameters())
-    # a second optimizer of the same model takes over the gradient hooks
-    opt = ShardedAdamW(model, make_layout(1, 1), **HP)
+    # a second optimizer of the same model takes over the gradient hooks (one parameter a bucket: an extra gradient
+    # is caught in the bucket it lands in, not only by a later one)
+    opt = ShardedAdamW(model, make_layout(1, 1), bucket_size=1, **HP)
     ids = torch.randint(0, V, (7,))
 
     def backward():
@@ -444,6 +446,8 @@ def test_optimizer_single_process(ckpts):
         backward()
     with pytest.raises(ValueError, match="optimizer state 'exp_avg': no values for"):
         opt.load_full_state("exp_avg", list(opt.full_state("exp_avg").items())[1:])
+    with pytest.raises(ValueError, match="optimizer state 'exp_avg': 'lm_head.extra' is not a parameter of this model"):
+        opt.load_full_state("exp_avg", [*opt.full_state("exp_avg").items(), ("lm_head.extra", torch.zeros(1))])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -540,6 +544,16 @@ def test_fused_kernels_match_eager_cpu():
             assert rel_err(a.float().cpu(), b.float()) <= 1e-2, fn.__name__
 
 
+def test_vocab_parallel_logprobs_checks_its_inputs():
+    z, ids = torch.randn(5, 11), torch.zeros(5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"expected logits \[T, V/tp\] and targets \[T\], got \[1, 5, 11\], \[5\]"):
+        vocab_parallel_logprobs(z[None], ids, None)
+    with pytest.raises(ValueError, match=r"expected logits \[T, V/tp\] and targets \[T\], got \[5, 11\], \[4\]"):
+        vocab_parallel_logprobs(z, ids[:4], None)
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
+        vocab_parallel_logprobs(z, ids, None, temperature=0.0)
+
+
 def test_clip_grad_norm_leaves_small_gradients_alone_and_zero_only_measures(tmp_path):
     """Against torch.nn.utils.clip_grad_norm_: below max_norm the gradient is not scaled (not scaled *up*), above it
     scaled to max_norm; max_norm <= 0 returns the norm and leaves the gradient as it is."""
@@ -564,6 +578,13 @@ def test_clip_grad_norm_leaves_small_gradients_alone_and_zero_only_measures(tmp_
         assert got_norm == pytest.approx(want_norm, rel=1e-5)
         for n, g in want.items():
             assert torch.allclose(got[n], g, rtol=1e-5, atol=1e-9), (max_norm, n)
+    # a non-finite norm is returned as it is and scales nothing (the trainer skips the step)
+    model = load_model(path)
+    opt = ShardedAdamW(model, make_layout(1, 1))
+    model.logits(model.packed(ids, torch.arange(9), torch.tensor([0, 9], dtype=torch.int32), 9)).sum().backward()
+    opt.views[0].view(-1)[0] = float("inf")
+    before = opt.grad_buffer.clone()
+    assert opt.clip_grad_norm(0.5 * norm) == float("inf") and torch.equal(opt.grad_buffer, before)
 
 
 def _schedule_body(rank, world, path, lens):
