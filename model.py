@@ -634,11 +634,12 @@ class Transformer(nn.Module):
                                          f"{os.path.basename(fn)}; keep one, or add a model.safetensors.index.json")
                     where[k] = fn
         handles = {fn: open_safetensors(fn) for fn in sorted(set(where.values()))}
+        held = {fn: set(h.keys()) for fn, h in handles.items()}  # (keys() builds a list each call)
 
         def read(name, j, hf, want):
             if hf not in where:
                 raise KeyError(f"{path}: tensor {hf!r} (for {name}) is not in the checkpoint")
-            if hf not in handles[where[hf]].keys():  # a hand-edited or merged index
+            if hf not in held[where[hf]]:  # a hand-edited or merged index
                 raise KeyError(f"{index}: maps {hf!r} to {os.path.basename(where[hf])}, which does not hold it")
             sl = handles[where[hf]].get_slice(hf)
             if list(sl.get_shape()) != want:

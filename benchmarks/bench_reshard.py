@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig, Transformer  # noqa: E402
-from parallel import make_layout, world_all_reduce  # noqa: E402
+from parallel import init_distributed, make_layout, world_all_reduce  # noqa: E402
 from reshard import Resharder, valid_generation_tp  # noqa: E402
 
 QWEN7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
@@ -91,11 +91,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers, 2 rounds")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dev, rank, world = init_distributed("cuda")
     cfg = ModelConfig.from_hf(dict(QWEN7B, num_hidden_layers=4) if args.quick else QWEN7B)
     rounds = 2 if args.quick else 5
     layouts = [(world, 1)] + ([(world // 2, 2)] if world >= 4 else [(1, 2)] if world == 2 else [])

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig, Transformer  # noqa: E402
-from parallel import (ShardedAdamW, make_layout, pipeline_forward_backward, validate_layout,  # noqa: E402
-                      vocab_parallel_logprobs)
+from parallel import (ShardedAdamW, init_distributed, make_layout, pipeline_forward_backward,  # noqa: E402
+                      validate_layout, vocab_parallel_logprobs)
 
 PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM
 
@@ -86,15 +86,10 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs CUDA GPUs (run under torchrun on a GPU machine)")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    dev, _, world = init_distributed("cuda")
     cfg = qwen25_7b(a.layers)
     validate_layout(cfg, a.tp, a.pp, world, name="Qwen2.5-7B shapes")
     lay = make_layout(a.tp, a.pp)
-    dev = torch.device("cuda", local)
 
     model = Transformer(cfg, lay, dtype=torch.bfloat16, device=dev)
     torch.manual_seed(lay.pp_rank * 1000 + lay.tp_rank)  # DP replicas start equal
