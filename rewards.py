@@ -268,11 +268,12 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
     """Score every sample; returns (scores, extras, num_errors).
 
     A dict result gives its "score"; its other numeric keys (bools count) go to `extras`, one list per key aligned with
-    the batch (None where a sample lacked the key). A scorer that raises is logged and scores 0.0, its extras too (a
-    DAPO filter on "acc" would otherwise stop on one malformed sample). A result that is neither a number nor a dict
-    with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
+    the batch (None where a sample lacked the key), and its "pred" (the extracted answer, any type) to extras["pred"]
+    when any sample has one: validation's majority vote (maj@k). A scorer that raises is logged and scores 0.0, its
+    extras too (a DAPO filter on "acc" would otherwise stop on one malformed sample). A result that is neither a number
+    nor a dict with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
     extra_infos = [None] * len(solution_strs) if extra_infos is None else extra_infos
-    scores, extra_rows, num_errors = [], [], 0  # extra_rows: per sample, its dict's numeric extras (None: it raised)
+    scores, extra_rows, preds, num_errors = [], [], [], 0  # extra_rows: per sample, its numeric extras (None: raised)
     for i in range(len(solution_strs)):
         try:
             result = reward_fn(data_source=data_sources[i], solution_str=solution_strs[i],
@@ -282,6 +283,7 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
             num_errors += 1
             scores.append(0.0)
             extra_rows.append(None)
+            preds.append(None)
             continue
         if isinstance(result, _NUMBER):
             result = {"score": result}
@@ -292,6 +294,75 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
             raise ValueError(f"reward function returned score {score} for data_source {data_sources[i]!r}; "
                              "expected a finite number")
         scores.append(score)
-        extra_rows.append({k: float(v) for k, v in result.items() if k != "score" and isinstance(v, _NUMBER)})
+        preds.append(result.get("pred"))
+        extra_rows.append({k: float(v) for k, v in result.items()
+                           if k not in ("score", "pred") and isinstance(v, _NUMBER)})
     keys = dict.fromkeys(k for row in extra_rows if row for k in row)  # in order of first appearance
-    return scores, {k: [0.0 if row is None else row.get(k) for row in extra_rows] for k in keys}, num_errors
+    extras = {k: [0.0 if row is None else row.get(k) for row in extra_rows] for k in keys}
+    return scores, extras | ({"pred": preds} if any(p is not None for p in preds) else {}), num_errors
+
+
+# --------------------------------------------------------------------------- validation metrics
+
+
+def _best_worst(v: np.ndarray, k: int) -> list[float]:
+    """Mean and std of the max, then of the min, of k draws with replacement from v, exactly (verl estimates them
+    with 1000 bootstrap draws): over v sorted, P(max = v_j) = ((j+1)/n)^k - (j/n)^k; the min's weights are reversed."""
+    s = np.sort(v)
+    w = np.diff((np.arange(len(s) + 1) / len(s)) ** k)
+    out = []
+    for p in (w, w[::-1]):
+        mean = float(p @ s)
+        out += [mean, math.sqrt(max(float(p @ s ** 2) - mean ** 2, 0.0))]
+    return out
+
+
+def _majority(v: np.ndarray, votes: list, k: int, rng: np.random.Generator, draws: int = 1000) -> list[float]:
+    """Mean and std, over bootstrap draws of k samples, of the value of the majority vote's first sample; a tie goes
+    to the answer drawn first (verl's maj@k, which keeps the first-inserted of tied dict keys)."""
+    order = {}  # answer -> its id (by repr: any answer type is hashable so)
+    ids = np.array([order.setdefault(repr(p), len(order)) for p in votes])
+    idx = rng.integers(len(v), size=(draws, k))
+    pick = ids[idx]
+    hit = pick[:, :, None] == np.arange(ids.max() + 1)  # [draws, k, answers]
+    win = (hit.sum(1) * (k + 1) - hit.argmax(1)).argmax(1)  # the most votes, then the earliest first draw
+    got = v[idx[np.arange(draws), (pick == win[:, None]).argmax(1)]]
+    return [float(got.mean()), float(got.std())]
+
+
+def validation_metrics(data_sources: list[str], uids: list, values: list[dict[str, float]],
+                       preds: list | None = None, seed: int = 42) -> dict[str, float]:
+    """verl's validation metrics from every sample of a validation: its data source, its prompt (uid; n samples a
+    prompt), its values ("reward" and the scorer's numeric extras, those it gave) and its pred (the scorer's "pred",
+    None where it gave none). Per data source and variable, each the mean over prompts of: mean@n and std@n of the
+    prompt's n values; best@k and worst@k (mean and std of the max and the min of k of them drawn with replacement,
+    k = 2, 4, ... up to n); where it gives preds, maj@k (the value of the majority answer among k drawn, by bootstrap).
+    Named val-core/<source>/<var>/<metric> for the core variable ("acc" if the scorer gives one, else "reward") and its
+    mean, best and maj at k = n, val-aux/... for the rest, as verl."""
+    rng, groups, out = np.random.default_rng(seed), {}, {}
+    for i, (src, uid) in enumerate(zip(data_sources, uids)):
+        groups.setdefault(src, {}).setdefault(uid, []).append(i)
+    for src, prompts in groups.items():
+        names = dict.fromkeys(k for rows in prompts.values() for i in rows for k in values[i])
+        core = "acc" if "acc" in names else "reward"
+        for var in names:
+            per_prompt = {}  # metric name -> its value for each prompt
+            for rows in prompts.values():
+                rows = [i for i in rows if var in values[i]]
+                v, n = np.array([values[i][var] for i in rows], dtype=np.float64), len(rows)
+                if n == 0:
+                    continue
+                got = {f"mean@{n}": float(v.mean()), **({f"std@{n}": float(v.std())} if n > 1 else {})}
+                votes = [preds[i] for i in rows] if preds else []  # (a prompt whose samples gave none: no maj@k)
+                for k in [2 ** e for e in range(1, n.bit_length()) if 2 ** e < n] + [n] * (n > 1):
+                    got.update(zip((f"{w}@{k}/{s}" for w in ("best", "worst") for s in ("mean", "std")),
+                                   _best_worst(v, k)))
+                    if any(p is not None for p in votes):
+                        got.update(zip((f"maj@{k}/mean", f"maj@{k}/std"), _majority(v, votes, k, rng)))
+                for name, x in got.items():
+                    per_prompt.setdefault(name, []).append(x)
+            at = {name: int(name.split("@")[1].split("/")[0]) for name in per_prompt}  # its n or k
+            for name, xs in per_prompt.items():
+                core_metric = var == core and name.startswith(("mean", "maj", "best")) and at[name] == max(at.values())
+                out[f"{'val-core' if core_metric else 'val-aux'}/{src}/{var}/{name}"] = float(np.mean(xs))
+    return out

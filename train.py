@@ -57,7 +57,7 @@ from parallel import (ShardedAdamW, all_gather_objects, init_distributed, lr_at,
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce, world_barrier)
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
-from rewards import check_sources, load_reward_fn, score_batch
+from rewards import check_sources, load_reward_fn, score_batch, validation_metrics
 from rollout import Generator, SamplingParams, eos_token_ids
 
 # ----------------------------------------------------------------------------- config
@@ -522,32 +522,32 @@ class Trainer:
         n, t, p, k = (getattr(ro, ("val_" if val else "") + key) for key in ("n", "temperature", "top_p", "top_k"))
         with self.resharder.generation() as gen_model:
             mine, offset = dispatch_prompts([it["prompt_ids"] for it in items], self.resharder.gen_layout)
-            params = SamplingParams(n=n, temperature=t, top_p=p, top_k=k, max_new_tokens=R)
             gen = Generator(gen_model, max_rows=ro.max_rows, max_len=self.cfg.data.max_prompt_length + R,
                             kv_cache_tokens=ro.kv_cache_tokens or None, gpu_memory_fraction=ro.gpu_memory_fraction,
                             use_cuda_graphs=ro.use_cuda_graphs)
             try:
                 # a seed per prompt from its index in the whole batch: the samples do not depend on the replicas
-                done = gen.generate(mine, params, eos_token_ids=self.eos_ids,
-                                    seeds=[seed * 1_000_003 + offset + i for i in range(len(mine))])
+                done = gen.generate(mine, SamplingParams(n=n, temperature=t, top_p=p, top_k=k, max_new_tokens=R),
+                                    self.eos_ids, seeds=[seed * 1_000_003 + offset + i for i in range(len(mine))])
             finally:
                 gen.free()
             return Batch.from_completions(items, collect_results(done, offset, self.resharder.gen_layout), R)
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int, list[str]]:
-        """(scores, the scorer's extras, its errors, the decoded responses); rank r scores r, r + W, ..., gathered."""
+    def score(self, batch: Batch) -> tuple[torch.Tensor, dict, int, list[str], list]:
+        """(scores, numeric extras, errors, decoded responses, "pred"s); rank r scores r, r + W, ..., gathered."""
         texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
         cols = (batch.data_source, texts, batch.ground_truth, batch.extra_info)
         scores, extras, errors = score_batch(self.reward_fn, *(col[self.rank::self.world] for col in cols))
         parts = all_gather_objects(({"score": scores, **extras}, errors))
-        full = {}  # one tensor per key over the whole batch; NaN where a sample lacked the key
+        full, preds = {}, [None] * len(batch)  # one tensor per key over the whole batch; NaN where a sample lacked it
         for r, (vals, _) in enumerate(parts):
+            preds[r::self.world] = vals.pop("pred", [None] * len(vals["score"]))
             for k, v in vals.items():
                 full.setdefault(k, torch.full((len(batch),), float("nan")))[r::self.world] = torch.tensor(
                     [float("nan") if x is None else x for x in v], dtype=torch.float32)
         if (errors := sum(p[1] for p in parts)) == len(batch) > 0:  # a bug in the scorer (a NameError), not bad data
             raise RuntimeError(f"the reward function raised on all {errors} samples of the batch (warnings above)")
-        return full.pop("score"), full, errors, texts
+        return full.pop("score"), full, errors, texts, preds
 
     def rollout_batch(self) -> tuple[Batch, dict]:
         """Generate, score and (DAPO) filter until the batch holds train_batch_size prompt groups."""
@@ -562,7 +562,7 @@ class Trainer:
             with timed(metrics, "gen"):
                 batch = self.generate(items, seed=cfg.trainer.seed + 7919 * self.step + len(kept))
             metrics["timing_s/reshard"] = metrics.get("timing_s/reshard", 0.0) + self.resharder.last_timing
-            scores, extras, errors, _ = self.score(batch)
+            scores, extras, errors, *_ = self.score(batch)
             metrics["reward/num_errors"] = metrics.get("reward/num_errors", 0.0) + float(errors)
             shaped = scores + alg.compute_overlong_penalty(batch.response_mask.sum(-1), cfg.data.max_response_length,
                                                            ob.len, ob.penalty_factor) if ob.enable else scores
@@ -626,13 +626,12 @@ class Trainer:
                 role.optim.reduce_gradients()
                 gnorm = role.optim.clip_grad_norm(o.grad_clip)
                 if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
-                    self.nonfinite_skips += 1
+                    self.nonfinite_skips, skipped = self.nonfinite_skips + 1, skipped + 1
                     if self.nonfinite_skips > cfg.trainer.max_nonfinite_skips:
                         raise FloatingPointError(f"non-finite {name} grad norm {gnorm} at step {self.step + 1}, "
                                                  f"over trainer.max_nonfinite_skips={cfg.trainer.max_nonfinite_skips}")
                     print(f"[nanorl] step {self.step + 1}: non-finite {name} grad norm; step skipped", file=sys.stderr)
                     role.optim.zero_grad()
-                    skipped += 1
                     continue
                 role.optim.step(lr)
                 # summed over micro-batches, then the world (as objects: other ranks do not know the metric names)
@@ -707,20 +706,21 @@ class Trainer:
     def validate(self) -> dict:
         cfg, vd, cap = self.cfg, self.val_data, self.cfg.data.val_max_samples  # (a subset: every file has its share)
         idx = np.sort(np.random.default_rng(cfg.data.seed).permutation(len(vd))[:cap] if cap > 0 else range(len(vd)))
-        by_src, records = {}, []  # scores by data source; the first 64 samples, written out
+        sources, uids, values, preds, records = [], [], [], [], []  # per sample; the first 64 samples, written out
         for start in range(0, len(idx), cfg.data.val_batch_size):
             items = vd.get_batch(idx[start:start + cfg.data.val_batch_size].tolist())
             batch = self.generate(items, seed=cfg.trainer.seed + start, val=True)  # a seed per batch, each validation
-            scores, _, _, texts = self.score(batch)
-            for i in range(len(batch)):
-                by_src.setdefault(batch.data_source[i], []).append(float(scores[i]))
-                if len(records) < 64:
-                    records.append({"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
-                                    "ground_truth": batch.ground_truth[i], "score": float(scores[i])})
+            scores, extras, _, texts, batch_preds = self.score(batch)
+            sources, uids, preds = sources + batch.data_source, uids + batch.index.tolist(), preds + batch_preds
+            values += [{"reward": float(x), **{k: float(v[i]) for k, v in extras.items() if not v[i].isnan()}}
+                       for i, x in enumerate(scores)]
+            records += [{"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
+                         "ground_truth": batch.ground_truth[i], "score": float(scores[i])}
+                        for i in range(min(len(batch), 64 - len(records)))]
         if self.rank == 0:
             write_text(os.path.join(self.out, "val_generations", f"step_{self.step}.jsonl"),
                        "".join(json.dumps(r) + "\n" for r in records))
-        return {f"val-core/{src}/reward/mean@{cfg.rollout.val_n}": float(np.mean(v)) for src, v in by_src.items()}
+        return validation_metrics(sources, uids, values, preds)
 
     # --- checkpoints
     def save_checkpoint(self, metrics: dict | None = None) -> None:

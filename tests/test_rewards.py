@@ -1,4 +1,5 @@
 """rewards.py: GSM8K on the real test set, a table of MATH equivalences, DAPO, synthetic tasks, loading."""
+import itertools
 import json
 import logging
 import os
@@ -249,9 +250,12 @@ def test_score_batch(caplog):
     assert scores == [1.0, 0.0, 2.0, -1.0]
     assert errors == 1
     assert "malformed sample" in caplog.text and "synthetic/copy" in caplog.text
-    # numeric extras (bools included) aligned with the batch; strings ("pred") are skipped
-    # the failed sample's extras are 0.0, like its score (a DAPO filter on "acc" must not see it lacking the key)
-    assert extras == {"acc": [None, 0.0, 1.0, 0.0], "len": [None, 0.0, 3.0, None]}
+    # numeric extras (bools included) aligned with the batch; the failed sample's are 0.0, like its score (a DAPO
+    # filter on "acc" must not see it lacking the key); "pred" as given, None where a sample has none (maj@k's votes)
+    assert extras == {"acc": [None, 0.0, 1.0, 0.0], "len": [None, 0.0, 3.0, None], "pred": [None, None, "x", "5"]}
+    # no "pred" at all (a numeric pred is a vote too, not an extra)
+    assert R.score_batch(lambda **kw: 1.0, ["x"], ["a"], ["a"], None)[1] == {}
+    assert R.score_batch(lambda **kw: {"score": 1.0, "pred": 7}, ["x"], ["a"], ["a"], None)[1] == {"pred": [7]}
 
     # numpy's bool is not a numbers.Real: it must count as a number all the same (np.isclose(...) as a score)
     scores, extras, _ = R.score_batch(lambda **kw: {"score": np.bool_(True), "acc": np.bool_(False), "n": np.int64(3)},
@@ -341,3 +345,73 @@ def test_failed_reward_import_leaves_no_half_initialised_module(tmp_path):
     with pytest.raises(ImportError, match="failed to import"):
         R.load_reward_fn(f"{path}:score")
     assert not [k for k, v in list(sys.modules.items()) if getattr(v, "__file__", None) == str(path)]
+
+
+# --------------------------------------------------------------------------- validation metrics
+
+
+def _all_draws(n, k):  # every ordered k-tuple of indices 0..n-1, drawn with replacement: each equally likely
+    return itertools.product(range(n), repeat=k)
+
+
+def _maj_value(values, preds, draw):  # verl's calc_maj_val, written out: first-inserted answer wins a tie
+    votes = {}
+    for i in draw:
+        votes.setdefault(preds[i], []).append(values[i])
+    counts = {p: len(v) for p, v in votes.items()}
+    return votes[max(counts, key=counts.get)][0]
+
+
+def test_best_and_worst_of_k_match_every_draw_enumerated():
+    """best@k / worst@k are the mean and std of the max / min of k values drawn with replacement: by formula,
+    against all n^k draws enumerated (ties in the values included)."""
+    v = np.array([0.5, -1.0, 2.0, 0.5, 1.0])
+    for k in (1, 2, 3, 5):
+        maxes = np.array([max(v[list(d)]) for d in _all_draws(len(v), k)])
+        mins = np.array([min(v[list(d)]) for d in _all_draws(len(v), k)])
+        got = R._best_worst(v, k)
+        assert got == pytest.approx([maxes.mean(), maxes.std(), mins.mean(), mins.std()], abs=1e-12), k
+
+
+def test_majority_of_k_matches_every_draw_enumerated():
+    """maj@k by bootstrap against its exact expectation over every draw. Values 1 for answer "a", 0 for "b":
+    at k = 2 a tie goes to the answer drawn first (0.5 here; 0.75 if "a" always won ties, 0.25 if "b")."""
+    values, preds = np.array([1.0, 0.0]), ["a", "b"]
+    got = R._majority(values, preds, 2, np.random.default_rng(0), draws=20000)
+    assert got[0] == pytest.approx(0.5, abs=0.02) and got[1] == pytest.approx(0.5, abs=0.02)
+    values = np.array([1.0, 0.0, 0.2, 0.8, 0.5])  # answers "x", "y", "y", "x", None: the winner's first draw counts
+    preds = ["x", "y", "y", "x", None]
+    for k in (2, 3, 4):
+        exact = np.array([_maj_value(values, preds, d) for d in _all_draws(len(values), k)])
+        got = R._majority(values, preds, k, np.random.default_rng(1), draws=20000)
+        assert got == pytest.approx([exact.mean(), exact.std()], abs=0.015), k
+
+
+def test_validation_metrics_names_and_values_as_verl():
+    """Two data sources: "g" (a float scorer: the core variable is the reward) with 2 prompts x 4 samples, and "d"
+    (acc and pred given: acc is core, the reward aux) with 1 prompt x 4. Values worked by hand."""
+    sources = ["g"] * 8 + ["d"] * 4
+    uids = [0] * 4 + [1] * 4 + [2] * 4
+    values = [{"reward": x} for x in (1, 0, 0, 0, 1, 1, 1, 0)] + [
+        {"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0}, {"reward": -1.0, "acc": 0.0}, {"reward": 1.0}]
+    preds = [None] * 8 + ["5", "6", "6", "5"]
+    got = R.validation_metrics(sources, uids, values, preds)
+    ks = [f"{w}@{k}/{s}" for k in (2, 4) for w in ("best", "worst") for s in ("mean", "std")]
+    core_g = {"mean@4", "best@4/mean", "best@4/std"}
+    assert {k for k in got if k.startswith("val-core/g/")} == {f"val-core/g/reward/{m}" for m in core_g}
+    assert {k for k in got if k.startswith("val-aux/g/")} == {
+        f"val-aux/g/reward/{m}" for m in {"std@4", *ks} - core_g}  # no preds for "g": no maj
+    # prompt 0: 1 of 4 right, prompt 1: 3 of 4; best@2 of one right in four: 1 - (3/4)^2, of three: 1 - (1/4)^2
+    assert got["val-core/g/reward/mean@4"] == pytest.approx(0.5)
+    assert got["val-aux/g/reward/std@4"] == pytest.approx(np.sqrt(3 / 16))
+    assert got["val-aux/g/reward/best@2/mean"] == pytest.approx(((1 - 9 / 16) + (1 - 1 / 16)) / 2)
+    assert got["val-aux/g/reward/worst@2/mean"] == pytest.approx((1 / 16 + 9 / 16) / 2)
+    # "d": acc is given by 3 of its 4 samples, so acc has n = 3 (k = 2, 3) and the reward n = 4
+    assert got["val-core/d/acc/mean@3"] == pytest.approx(1 / 3)
+    assert got["val-core/d/acc/best@3/mean"] == pytest.approx(1 - (2 / 3) ** 3)
+    assert "val-core/d/acc/maj@3/mean" in got and "val-aux/d/acc/maj@2/mean" in got
+    assert got["val-aux/d/reward/mean@4"] == pytest.approx(0.0)
+    assert not any(k.startswith("val-core/d/reward") for k in got)
+    # mean@1 alone with one sample a prompt (validation's default), the reward core
+    assert R.validation_metrics(["g", "g"], [0, 1], [{"reward": 1.0}, {"reward": 0.0}]) == {
+        "val-core/g/reward/mean@1": 0.5}

@@ -15,6 +15,7 @@ import yaml
 import helpers
 from data import load_tokenizer, prepare_synthetic
 from model import load_model
+import rewards
 import train
 
 METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "actor/pg_loss", "actor/pg_clipfrac",
@@ -1016,7 +1017,7 @@ def test_score_marks_an_extra_a_sample_lacked_as_nan(small_synth, tmp_path):
     B = 4
     batch = train.Batch([[1, 2]] * B, [[3]] * B, torch.arange(B), ["s"] * B, ["x"] * B, [{}] * B,
                         torch.ones(B, 1), torch.zeros(B, 1))
-    scores, extras, errors, _ = t.score(batch)
+    scores, extras, errors, *_ = t.score(batch)
     assert scores.tolist() == [0.5, 0.25, 0.5, 0.25] and errors == 0
     assert extras["acc"][0::2].tolist() == [1.0, 1.0] and extras["acc"][1::2].isnan().all()
 
@@ -1028,7 +1029,7 @@ def test_a_scorer_that_raises_on_every_sample_stops_the_run(small_synth, tmp_pat
     batch = train.Batch([[1, 2]] * B, [[3]] * B, torch.arange(B), ["s"] * B, ["x"] * B, [{"i": i} for i in range(B)],
                         torch.ones(B, 1), torch.zeros(B, 1))
     t.reward_fn = lambda data_source, solution_str, ground_truth, extra_info: 1 / extra_info["i"]
-    scores, _, errors, _ = t.score(batch)
+    scores, _, errors, *_ = t.score(batch)
     assert scores.tolist() == pytest.approx([0.0, 1.0, 0.5, 1 / 3]) and errors == 1
     t.reward_fn = lambda data_source, solution_str, ground_truth, extra_info: undefined_name  # noqa: F821
     with pytest.raises(RuntimeError, match="the reward function raised on all 4 samples"):
@@ -1112,11 +1113,34 @@ def test_validation_averages_by_data_source_and_names_val_n(small_synth, tmp_pat
             it["data_source"], it["extra_info"] = "a" if i % 2 == 0 else "b", {"pos": i}
         return items
     t.val_data.get_batch = two_sources
-    t.score = lambda b: (torch.tensor([e["pos"] / 10 for e in b.extra_info]), {}, 0, [""] * len(b))
+    t.score = lambda b: (torch.tensor([e["pos"] / 10 for e in b.extra_info]), {}, 0, [""] * len(b), [None] * len(b))
     got = t.validate()
-    assert set(got) == {"val-core/a/reward/mean@2", "val-core/b/reward/mean@2"}
-    assert got["val-core/a/reward/mean@2"] == pytest.approx(0.3)
-    assert got["val-core/b/reward/mean@2"] == pytest.approx(0.4)
+    assert {k for k in got if k.startswith("val-core")} == {
+        f"val-core/{s}/reward/{m}" for s in "ab" for m in ("mean@2", "best@2/mean", "best@2/std")}
+    assert got["val-core/a/reward/mean@2"] == pytest.approx(0.3) == got["val-core/a/reward/best@2/mean"]
+    assert got["val-core/b/reward/mean@2"] == pytest.approx(0.4) == got["val-aux/b/reward/worst@2/mean"]
+    assert got["val-aux/a/reward/std@2"] == 0 == got["val-core/b/reward/best@2/std"]  # a prompt's two score alike
+
+
+def test_validation_reports_verls_best_worst_and_majority_metrics(small_synth, tmp_path):
+    """A scorer giving acc and pred, val_n=4 sampled over the 8 test prompts in batches of 3 prompts: acc is the core
+    variable and the reward aux, and every figure is rewards.validation_metrics' over the 32 samples that the
+    generations file records (prompt-major: four consecutive samples a prompt), rebuilt from their responses."""
+    t = trainer(small_synth, tmp_path, "rollout.val_n=4", "rollout.val_temperature=1.0", "data.val_batch_size=3")
+    t.reward_fn = lambda data_source, solution_str, ground_truth, extra_info: {
+        "score": float(len(solution_str) % 3), "acc": len(solution_str) % 3 == 0, "pred": solution_str[:1]}
+    got = t.validate()
+    recs = _val_records(str(tmp_path))
+    assert len(recs) == 32 and [r["score"] for r in recs] == [len(r["response"]) % 3 for r in recs]
+    want = rewards.validation_metrics(["synthetic/copy"] * 32, [i // 4 for i in range(32)],
+                                      [{"reward": r["score"], "acc": float(r["score"] == 0)} for r in recs],
+                                      [r["response"][:1] for r in recs])
+    assert got == want
+    src = "synthetic/copy"
+    assert {f"val-core/{src}/acc/{m}" for m in ("mean@4", "best@4/mean", "best@4/std", "maj@4/mean", "maj@4/std")} \
+        == {k for k in got if k.startswith("val-core/")}
+    assert {f"val-aux/{src}/reward/mean@4", f"val-aux/{src}/acc/worst@2/mean", f"val-aux/{src}/reward/maj@2/mean"} \
+        < set(got)
 
 
 # ----------------------------------------------------------------------------- batch metrics
