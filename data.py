@@ -110,7 +110,10 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
     if tokenizer.chat_template is not None:  # what it renders today: a template may print the date (strftime_now)
-        h.update(tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False).encode())
+        try:
+            h.update(tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False).encode())
+        except Exception as e:  # a template that wants another conversation (a system message first): its message
+            h.update(repr(e).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
     h.update(str(getattr(tokenizer, "split_special_tokens", False)).encode())  # the wrapper's, not in to_str()
     return h.hexdigest()
@@ -272,8 +275,12 @@ class PromptDataset:
             truth = rm.get("ground_truth") if isinstance(rm, dict) else None
             if truth is None:
                 raise ValueError(f"{f}: row {r}: reward_model must be a struct with a ground_truth, got {rm!r}")
-            kept.append((row, ids, {**rm, "ground_truth": truth if isinstance(truth, str)
-                                    else json.dumps(truth, ensure_ascii=False)}))
+            try:  # (bytes, dates, decimals are not JSON)
+                truth = truth if isinstance(truth, str) else json.dumps(truth, ensure_ascii=False)
+            except TypeError as e:
+                raise ValueError(f"{f}: row {r}: reward_model.ground_truth must be a string or a JSON value: "
+                                 f"{e}") from None
+            kept.append((row, ids, {**rm, "ground_truth": truth}))
         if not kept:
             raise ValueError(f"no prompts left in {self.files}: all {len(origin)} are longer than "
                              f"max_prompt_length={self.max_prompt_length}")
@@ -536,6 +543,8 @@ def prepare_synthetic(out: str, task: str = "copy", n_train: int = 2000, n_test:
         raise ValueError(f"task={task!r}; expected 'copy' or 'add'")
     if n_train < 1 or n_test < 1:  # an empty split would be a parquet file without columns
         raise ValueError(f"n_train={n_train} and n_test={n_test} (--n-train, --n-test): each must be >= 1")
+    if seed < 0:
+        raise ValueError(f"seed={seed} (--seed) must be >= 0")
     model_dir = os.path.join(out, "model")
     os.makedirs(model_dir, exist_ok=True)
     for split, n, s in zip(("train", "test"), (n_train, n_test), np.random.SeedSequence(seed).spawn(2)):

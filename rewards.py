@@ -16,7 +16,7 @@ The rules:
   math_dapo      DAPO's rule: in the last 300 characters, the last line holding "Answer:", from its first "Answer:"
                  to the line's end, in Minerva's normal form (the value after the last "=", units and $..$ dropped);
                  +1 if equal to the (unboxed) ground truth's, or equivalent as for MATH, else -1, returned as
-                 {"score", "acc", "pred"}. Also used for "aime*" data sources.
+                 {"score", "acc", "pred"}. Also used for "math", "math_dapo_reasoning" and "aime*", as in verl.
   synthetic/*    toy tasks (data.py): the stripped response starts with the ground truth (for "add", no digit follows).
 
 `load_reward_fn("path/to/file.py:function")` plugs in a user's scorer with the same signature, and `score_batch`
@@ -104,7 +104,7 @@ def strip_math_string(s: str) -> str:
     s = s.replace("{,}", ",").replace("\\,", "").replace("\\;", "").replace("\\:", "").replace("~", "")
     # a trailing unit: 5\text{ cm}, 5\mathrm{cm}; not one \mathrm letter, a constant as often as a unit (2\mathrm{i});
     # verl's rule first: a \text{ ...} opening with a space is a unit, whatever it holds (5\text{ m/s}, 4\text{ p.m.})
-    s = re.sub(r"^(.+?)\\text\{ [^{}]*\}(\^\{?-?\d+\}?)?\.?$", r"\1", s)
+    s = re.sub(r"^(.+?)\\text\{ [^{}]*\}(\^\{?-?\d+\}?|/\\text\{[^{}]*\})*\.?$", r"\1", s)  # (m^2, m/\text{s})
     s = re.sub(r"^(.+?)\\(?:text\{|mbox\{|mathrm\{(?=\s*[a-zA-Z]\s*[a-zA-Z]))[a-zA-Z\s]*\}(\^\{?\d\}?)?$", r"\1", s)
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}", r"\1", s).strip().rstrip(".").strip()  # \text{word}
     if s.count("=") == 1 and len(s.split("=")[0].strip()) <= 2:  # "x = 5", "k=3" -> the value
@@ -205,7 +205,8 @@ def synthetic_score(data_source: str, solution_str: str, ground_truth: str) -> f
 # --------------------------------------------------------------------------- dispatch
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
-KNOWN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, "math_dapo", "aime*", "synthetic/copy", "synthetic/add")
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # as verl routes them
+KNOWN_SOURCES = ("openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", "synthetic/copy", "synthetic/add")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str,
@@ -216,7 +217,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str,
         return gsm8k_score(solution_str, ground_truth)
     elif data_source in MATH_SOURCES:
         return math_score(solution_str, ground_truth)
-    elif data_source == "math_dapo" or data_source.startswith("aime"):
+    elif data_source in DAPO_SOURCES or data_source.startswith("aime"):
         return math_dapo_score(solution_str, ground_truth)
     return synthetic_score(data_source, solution_str, ground_truth)
 
@@ -263,6 +264,17 @@ def load_reward_fn(spec: str | None) -> Callable:
     return fn
 
 
+def _finite(x, key: str, data_source: str) -> float:
+    try:
+        x = float(x)
+    except OverflowError:  # an int past a float's range
+        x = math.inf
+    if not math.isfinite(x):  # a NaN "acc" would read as a missing one (train.py), a NaN score poison the advantages
+        raise ValueError(f"reward function returned {key} {x} for data_source {data_source!r}; "
+                         "expected a finite number")
+    return x
+
+
 def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: list[str], ground_truths: list[str],
                 extra_infos: list[dict | None] | None) -> tuple[list[float], dict[str, list], int]:
     """Score every sample; returns (scores, extras, num_errors).
@@ -271,7 +283,7 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
     the batch (None where a sample lacked the key), and its "pred" (the extracted answer, any type) to extras["pred"]
     when any sample has one: validation's majority vote (maj@k). A scorer that raises is logged and scores 0.0, its
     extras too (a DAPO filter on "acc" would otherwise stop on one malformed sample). A result that is neither a number
-    nor a dict with "score", or a score that is NaN or infinite, is a bug in the scorer and raises."""
+    nor a dict with "score", or a score or extra that is NaN or infinite, is a bug in the scorer and raises."""
     extra_infos = [None] * len(solution_strs) if extra_infos is None else extra_infos
     scores, extra_rows, preds, num_errors = [], [], [], 0  # extra_rows: per sample, its numeric extras (None: raised)
     for i in range(len(solution_strs)):
@@ -290,13 +302,11 @@ def score_batch(reward_fn: Callable, data_sources: list[str], solution_strs: lis
         if not (isinstance(result, dict) and isinstance(result.get("score"), _NUMBER)):
             raise TypeError(f"reward function returned {type(result).__name__} for data_source {data_sources[i]!r}; "
                             "expected a number or a dict with a numeric 'score'")
-        if not math.isfinite(score := float(result["score"])):
-            raise ValueError(f"reward function returned score {score} for data_source {data_sources[i]!r}; "
-                             "expected a finite number")
-        scores.append(score)
+        numbers = {k: _finite(v, k, data_sources[i]) for k, v in result.items()
+                   if k != "pred" and isinstance(v, _NUMBER)}
+        scores.append(numbers.pop("score"))
         preds.append(result.get("pred"))
-        extra_rows.append({k: float(v) for k, v in result.items()
-                           if k not in ("score", "pred") and isinstance(v, _NUMBER)})
+        extra_rows.append(numbers)
     keys = dict.fromkeys(k for row in extra_rows if row for k in row)  # in order of first appearance
     extras = {k: [0.0 if row is None else row.get(k) for row in extra_rows] for k in keys}
     return scores, extras | ({"pred": preds} if any(p is not None for p in preds) else {}), num_errors

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -81,8 +82,9 @@ class SamplingParams:
         stops = self.stop_token_ids
         for k, want, ok in (
                 ("n", "an int >= 1", isinstance(self.n, int) and self.n >= 1),
-                ("temperature", "a number >= 0 (0 = greedy)",
-                 isinstance(self.temperature, (int, float)) and self.temperature >= 0),
+                ("temperature", "0 (greedy) or a finite number >= 1e-5 (below, logits / T overflow)",
+                 isinstance(self.temperature, (int, float)) and (self.temperature == 0 or 1e-5 <= self.temperature
+                                                                 < math.inf)),
                 ("top_p", "a number in (0, 1]", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1),
                 ("top_k", "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
                 ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),

@@ -241,10 +241,10 @@ AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "da
                              "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
                              "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
             "rollout.val_top_k": -1, "trainer.seed": 0, "critic.ppo_epochs": -1, "rollout.kv_cache_tokens": 0,
-            "data.gen_batch_size": 0,
+            "data.gen_batch_size": 0, "rollout.temperature": 1e-5,  # (lower: logits / T overflow)
             **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
                              "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
-ABOVE = {"rollout.temperature": 0, "rollout.top_p": 0, "rollout.val_top_p": 0, "rollout.gpu_memory_fraction": 0,
+ABOVE = {"rollout.top_p": 0, "rollout.val_top_p": 0, "rollout.gpu_memory_fraction": 0,
          "actor.clip_ratio_c": 1, "algorithm.kl_ctrl.target_kl": 0, "algorithm.rollout_is.threshold": 0,
          "trainer.peak_tflops": 0}
 AT_MOST = {"rollout.top_p": 1, "rollout.val_top_p": 1, "rollout.gpu_memory_fraction": 1}

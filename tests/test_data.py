@@ -1,4 +1,5 @@
 """Tests for data.py: GSM8K/synthetic preparation, the shared prompt cache, the sampler, packing."""
+import datetime
 import itertools
 import json
 import multiprocessing as mp
@@ -165,6 +166,12 @@ def test_cache_key_follows_contents_and_tokenizer(tmp_path, tok_dir):
     # a template that prints the time (Llama 3's "Today Date" uses strftime_now) renders another prompt later
     tok.chat_template = "{{ strftime_now('%H%M%S%f') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert data.PromptDataset([f], tok, 64).cache_path != data.PromptDataset([f], tok, 64).cache_path
+    # a template that refuses the key's probe conversation (a lone user message) still opens a dataset it renders
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    g = write_rows(tmp_path / "g.parquet", [{**row(""), "prompt": [{"role": "system", "content": "s"},
+                                                                   {"role": "user", "content": "hi"}]}])
+    assert data.PromptDataset([g], tok, 64)[0]["prompt_ids"] == list(tok("shi", add_special_tokens=False)["input_ids"])
 
 
 def test_stale_and_live_locks(tmp_path, tok):
@@ -556,6 +563,11 @@ def test_a_non_string_ground_truth_is_json_encoded(tmp_path, tok):
     assert ds[1]["ground_truth"] == '["yes"]'
     g = write_rows(tmp_path / "e.parquet", [row("c", True)])
     assert data.PromptDataset([g], tok, 256)[0]["ground_truth"] == "true"
+    # not JSON (bytes, a date): an error naming the file and row, not json's bare TypeError
+    for i, truth in enumerate((b"\x01", datetime.date(2024, 1, 2))):
+        h = write_rows(tmp_path / f"f{i}.parquet", [row("d", truth)])
+        with pytest.raises(ValueError, match=rf"f{i}\.parquet: row 0: reward_model\.ground_truth must be a string or"):
+            data.PromptDataset([h], tok, 256)
 
 
 def test_more_prompts_than_one_tokenizer_chunk(tmp_path, tok):
@@ -593,11 +605,14 @@ def test_a_message_whose_content_is_not_a_string_is_refused(tmp_path, tok):
             data.PromptDataset([f], tok, 256)
 
 
-def test_synthetic_refuses_an_empty_split(tmp_path):
+def test_synthetic_refuses_an_empty_split_and_a_negative_seed(tmp_path):
     for n_train, n_test in ((0, 10), (10, 0), (5, -1)):  # each wrote a parquet file without columns
         with pytest.raises(ValueError, match=f"n_train={n_train} and n_test={n_test} .* must be >= 1"):
             data.prepare_synthetic(str(tmp_path / "syn"), n_train=n_train, n_test=n_test)
         assert not (tmp_path / "syn").exists()
+    with pytest.raises(ValueError, match=r"seed=-1 \(--seed\) must be >= 0"):  # numpy's message and model/ before
+        data.prepare_synthetic(str(tmp_path / "syn"), seed=-1)
+    assert not (tmp_path / "syn").exists()
 
 
 def test_synthetic_splits_are_independent_streams(tmp_path):

@@ -188,7 +188,9 @@ def test_synthetic(source, solution, truth, expected):
 def test_unknown_data_source():
     with pytest.raises(ValueError, match="openai/gsm8k.*synthetic/add"):
         R.compute_score("my/dataset", "x", "y")
-    R.check_sources(["openai/gsm8k", "aime2024", "synthetic/add", "math_dapo"])
+    R.check_sources(["openai/gsm8k", "aime2024", "synthetic/add", "math_dapo", "math", "math_dapo_reasoning"])
+    for source in ("math", "math_dapo_reasoning"):  # verl routes these to the DAPO rule too
+        assert R.compute_score(source, "so\nAnswer: 12", "\\boxed{12}") == {"score": 1.0, "acc": True, "pred": "12"}
     for bad in ("synthetic/cpy", None, 3):
         with pytest.raises(ValueError, match=f"in x: no rule-based scorer for data_source {bad!r}; known: openai/gsm8k"):
             R.check_sources(["openai/gsm8k", bad], "in x: ")
@@ -265,10 +267,11 @@ def test_score_batch(caplog):
         R.score_batch(lambda **kw: "1.0", ["weird/source"], ["a"], ["a"], [None])
     with pytest.raises(TypeError, match="weird/source"):
         R.score_batch(lambda **kw: {"acc": 1.0}, ["weird/source"], ["a"], ["a"], [None])
-    # a non-finite score is a scorer bug (it would poison the advantages), NaN and both infinities alike
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        for result in (bad, {"score": bad}):
-            with pytest.raises(ValueError, match=f"score {bad} for data_source 'weird/source'; expected a finite"):
+    # a non-finite score is a scorer bug (it would poison the advantages), NaN and both infinities alike, an int past
+    # a float's range too (a bare OverflowError before); so is a non-finite extra (a NaN "acc" read as a missing one)
+    for bad, shown in ((float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf"), (10 ** 400, "inf")):
+        for result, key in ((bad, "score"), ({"score": bad}, "score"), ({"score": 1, "acc": bad}, "acc")):
+            with pytest.raises(ValueError, match=f"{key} {shown} for data_source 'weird/source'; expected a finite"):
                 R.score_batch(lambda **kw: result, ["weird/source"], ["a"], ["a"], [None])
 
 
@@ -309,6 +312,8 @@ def test_gsm8k_ground_truth_commas_are_dropped():
     ("10\\text{ m/s}^2", "10", True),  # with an exponent after it, and a period
     ("6\\text{ cm}^2.", "6", True),
     ("5\\text{ cm}^{-1}", "5", True),
+    ("5\\text{ m}/\\text{s}", "5", True),  # a compound unit in two \text groups
+    ("5\\text{ m}/\\text{s}^2", "5", True),
     ("2 \\text{ and } 3", "2", False),
 ])
 def test_math_equivalence_more(a, b, expected):

@@ -929,8 +929,10 @@ def test_bad_input_types_get_errors_naming_the_key(model):
         gen.generate([[3], [1.5, 2]], greedy)
     with pytest.raises(ValueError, match=r"prompt 0: token id 'h' is not an int"):
         gen.generate(["hi"], greedy)
-    for bad, msg in ((dict(temperature="1e-3"), r"temperature='1e-3': expected a number >= 0"),
-                     (dict(temperature=None), "temperature=None: expected a number"),
+    for bad, msg in ((dict(temperature="1e-3"), r"temperature='1e-3': expected 0 \(greedy\) or a finite number"),
+                     (dict(temperature=None), "temperature=None: expected 0"),
+                     (dict(temperature=1e-40), r"temperature=1e-40: expected 0 \(greedy\) or a finite number >= 1e-5"),
+                     (dict(temperature=float("inf")), "temperature=inf: expected 0"),
                      (dict(top_p="0.9"), r"top_p='0.9': expected a number in \(0, 1\]")):
         with pytest.raises(ValueError, match=f"SamplingParams.{msg}"):
             gen.generate([[1]], SamplingParams(**{"max_new_tokens": 2, **bad}))
