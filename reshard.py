@@ -41,9 +41,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
+import signal
+import sys
 import time
 from contextlib import contextmanager, suppress
 
@@ -367,8 +370,7 @@ def collect_results(done: list, offset: int, gen_layout: Layout) -> list:
     """Every replica's completions on every rank, in global prompt order (prompt_index made global)."""
     parts = all_gather_objects((offset, done) if gen_layout.tp_rank == 0 else None)
     parts = sorted((p for p in parts if p is not None), key=lambda p: p[0])
-    return [dataclasses.replace(c, prompt_index=c.prompt_index + off)
-            if dataclasses.is_dataclass(c) and hasattr(c, "prompt_index") else c for off, items in parts for c in items]
+    return [dataclasses.replace(c, prompt_index=c.prompt_index + off) for off, items in parts for c in items]
 
 
 # ----------------------------------------------------------------------------- checkpoints and export
@@ -465,7 +467,8 @@ TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_templ
 def export_hf(ckpt_dir: str, out_dir: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
     """A Hugging Face directory (config.json, safetensors shards + index, tokenizer files) from a checkpoint,
     written into a temporary directory that is renamed into place; one shard in memory at a time."""
-    ck = _Checkpoint(ckpt_dir)
+    master = dtype == torch.float32 and os.path.isfile(os.path.join(ckpt_dir, "master_pp0_tp0.safetensors"))
+    ck = _Checkpoint(ckpt_dir, "master" if master else "model")  # fp32: Adam's master weights, not bf16 ones upcast
     if any(hf.startswith("value_head.") for hf in ck.index):
         raise ValueError(f"{ckpt_dir!r} is a critic (a value head, no LM head): only an actor exports as a causal LM")
 
@@ -511,13 +514,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Export a nanorl checkpoint as a Hugging Face model directory.")
     ap.add_argument("checkpoint", help="a checkpoints/step_N directory (meta.json + model_pp*_tp*.safetensors)")
     ap.add_argument("--to-hf", required=True, metavar="OUT_DIR", help="new directory to write")
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: as stored")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                    help="default: as stored; fp32 takes Adam's fp32 master weights when the checkpoint has them")
     ap.add_argument("--max-shard-gb", type=float, default=4.0)
     a = ap.parse_args(argv)
-    if not a.max_shard_gb > 0:
+    if not 0 < a.max_shard_gb < math.inf:
         ap.error(f"--max-shard-gb {a.max_shard_gb}: expected a shard size in GB > 0")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
-    export_hf(a.checkpoint, a.to_hf, dtype, int(a.max_shard_gb * (1 << 30)))
+    # a scheduler's SIGTERM unwinds as SystemExit, so that export_hf removes its temporary directory
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        export_hf(a.checkpoint, a.to_hf, dtype, int(a.max_shard_gb * (1 << 30)))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {a.to_hf}")
 
 

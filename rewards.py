@@ -44,8 +44,10 @@ _NUMBER = (numbers.Real, np.bool_)  # numpy's bool is not registered as a number
 _SOLUTION_CLIP_CHARS = 300  # the final answer sits at the end; also bounds regex time on runaway outputs
 
 
-def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
-    """The final answer string: the last "#### N" (strict) or the last number (flexible), or None."""
+def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
+                score: float = 1.0) -> float:
+    """The final answer, the last "#### N" (strict) or the last number (flexible), against the ground truth as a
+    string: `score` if equal, `format_score` if it differs, 0 if no answer was found."""
     text = solution_str[-_SOLUTION_CLIP_CHARS:]
     if method == "strict":
         found = re.findall(r"#### \$?(-?[0-9.,]+)", text)
@@ -53,15 +55,9 @@ def gsm8k_extract(solution_str: str, method: str = "strict") -> str | None:
         found = [f for f in re.findall(r"-?[0-9.,]+", text) if f.strip(".,-")]
     else:
         raise ValueError(f"unknown gsm8k method {method!r}; valid: strict, flexible")
-    return found[-1].replace(",", "").rstrip(".") if found else None  # "18." ends a sentence
-
-
-def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
-                score: float = 1.0) -> float:
-    """`score` if the extracted answer equals the ground truth as a string, `format_score` if an
-    answer was found but differs, 0 if none was found."""
-    if (answer := gsm8k_extract(solution_str, method)) is None:
+    if not found:
         return 0.0
+    answer = found[-1].replace(",", "").rstrip(".")  # "18." ends a sentence
     return score if answer == ground_truth.strip().replace(",", "") else format_score
 
 
@@ -343,22 +339,23 @@ def _majority(v: np.ndarray, votes: list, k: int, rng: np.random.Generator, draw
 def validation_metrics(data_sources: list[str], uids: list, values: list[dict[str, float]],
                        preds: list | None = None, seed: int = 42) -> dict[str, float]:
     """verl's validation metrics from every sample of a validation: its data source, its prompt (uid; n samples a
-    prompt), its values ("reward" and the scorer's numeric extras, those it gave) and its pred (the scorer's "pred",
-    None where it gave none). Per data source and variable, each the mean over prompts of: mean@n and std@n of the
-    prompt's n values; best@k and worst@k (mean and std of the max and the min of k of them drawn with replacement,
-    k = 2, 4, ... up to n); where it gives preds, maj@k (the value of the majority answer among k drawn, by bootstrap).
-    Named val-core/<source>/<var>/<metric> for the core variable ("acc" if the scorer gives one, else "reward") and its
-    mean, best and maj at k = n, val-aux/... for the rest, as verl."""
+    prompt), its values ("reward" and the scorer's numeric extras, NaN or absent where it gave none) and its pred (the
+    scorer's "pred", None where it gave none). Per data source and variable, each the mean over prompts of: mean@n
+    and std@n of the prompt's n values; best@k and worst@k (mean and std of the max and the min of k of them drawn
+    with replacement, k = 2, 4, ... up to n); where it gives preds, maj@k (the value of the majority answer among k
+    drawn, by bootstrap). Named val-core/<source>/<var>/<metric> for the core variable ("acc" if the scorer gives
+    one, else "reward") and its mean, best and maj at k = n, val-aux/... for the rest, as verl."""
     rng, groups, out = np.random.default_rng(seed), {}, {}
     for i, (src, uid) in enumerate(zip(data_sources, uids)):
         groups.setdefault(src, {}).setdefault(uid, []).append(i)
     for src, prompts in groups.items():
-        names = dict.fromkeys(k for rows in prompts.values() for i in rows for k in values[i])
+        names = dict.fromkeys(k for rows in prompts.values() for i in rows for k, x in values[i].items()
+                              if not math.isnan(x))  # (NaN or absent: the sample has no such value)
         core = "acc" if "acc" in names else "reward"
         for var in names:
             per_prompt = {}  # metric name -> its value for each prompt
             for rows in prompts.values():
-                rows = [i for i in rows if var in values[i]]
+                rows = [i for i in rows if not math.isnan(values[i].get(var, math.nan))]
                 v, n = np.array([values[i][var] for i in rows], dtype=np.float64), len(rows)
                 if n == 0:
                     continue

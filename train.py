@@ -525,8 +525,7 @@ class Trainer:
             gen = Generator(gen_model, max_rows=ro.max_rows, max_len=self.cfg.data.max_prompt_length + R,
                             kv_cache_tokens=ro.kv_cache_tokens or None, gpu_memory_fraction=ro.gpu_memory_fraction,
                             use_cuda_graphs=ro.use_cuda_graphs)
-            try:
-                # a seed per prompt from its index in the whole batch: the samples do not depend on the replicas
+            try:  # a seed per prompt from its index in the whole batch: the samples do not depend on the replicas
                 done = gen.generate(mine, SamplingParams(n=n, temperature=t, top_p=p, top_k=k, max_new_tokens=R),
                                     self.eos_ids, seeds=[seed * 1_000_003 + offset + i for i in range(len(mine))])
             finally:
@@ -710,10 +709,9 @@ class Trainer:
         for start in range(0, len(idx), cfg.data.val_batch_size):
             items = vd.get_batch(idx[start:start + cfg.data.val_batch_size].tolist())
             batch = self.generate(items, seed=cfg.trainer.seed + start, val=True)  # a seed per batch, each validation
-            scores, extras, _, texts, batch_preds = self.score(batch)
+            scores, ext, _, texts, batch_preds = self.score(batch)
             sources, uids, preds = sources + batch.data_source, uids + batch.index.tolist(), preds + batch_preds
-            values += [{"reward": float(x), **{k: float(v[i]) for k, v in extras.items() if not v[i].isnan()}}
-                       for i, x in enumerate(scores)]
+            values += [{"reward": float(x), **{k: float(v[i]) for k, v in ext.items()}} for i, x in enumerate(scores)]
             records += [{"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
                          "ground_truth": batch.ground_truth[i], "score": float(scores[i])}
                         for i in range(min(len(batch), 64 - len(records)))]
@@ -770,14 +768,16 @@ class Trainer:
         writes checkpoints past those in its output_dir, so `latest` and keep_last_k never lose the newest one."""
         r, root, lay = self.cfg.trainer.resume, os.path.join(self.out, "checkpoints"), self.layout
         latest, saved = os.path.join(root, "latest"), _saved_steps(root)
-        if r == "never" or (r == "auto" and not os.path.isfile(latest)):
-            if saved and r == "never":  # (auto without `latest`: a first save that crashed before publishing)
+        if r == "never" or (r == "auto" and not os.path.isfile(latest) and not saved):
+            if saved:
                 raise ValueError(f"trainer.output_dir {self.out!r} holds checkpoints of another run (steps {saved}); "
                                  f"resume it with trainer.resume=auto, or use a new output_dir")
             return
-        path = os.path.join(root, f"step_{read_json(latest, int)}") if r == "auto" else r  # `latest` holds N
+        n = read_json(latest, int) if os.path.isfile(latest) else saved[-1] if saved else None  # `latest` holds N,
+        path = os.path.join(root, f"step_{n}") if r == "auto" else r  # else (lost; a first save cut off) the newest
         if not os.path.isfile(os.path.join(path, "meta.json")):
-            raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json)")
+            raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json); "
+                                    "expected auto, never or the path of a checkpoints/step_N directory")
         meta = read_json(os.path.join(path, "meta.json"))
         own = not saved or os.path.samefile(os.path.dirname(os.path.abspath(path)), root)
         if r != "auto" and (bad := [s for s in saved if s > meta["step"] or not own]):  # (auto: a later one is redone)

@@ -3,6 +3,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -516,7 +517,7 @@ def test_export_errors_and_its_temporary_directory(tmp_path, capsys, monkeypatch
         json.dump({"step": 1, "tp": 1, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck + "/meta.json", "w"))
     with pytest.raises(ValueError, match="critic.*is a critic .*value head, no LM head"):
         reshard.main([str(tmp_path / "critic"), "--to-hf", str(tmp_path / "out_critic")])
-    for gb in ("0", "-1"):
+    for gb in ("0", "-1", "inf", "nan"):  # (inf: a bare OverflowError before)
         with pytest.raises(SystemExit):
             reshard.main([str(tmp_path / "actor"), "--to-hf", str(tmp_path / "out"), "--max-shard-gb", gb])
         assert f"--max-shard-gb {float(gb)}: expected a shard size in GB > 0" in capsys.readouterr().err
@@ -539,6 +540,31 @@ def test_export_errors_and_its_temporary_directory(tmp_path, capsys, monkeypatch
             reshard.main([str(tmp_path / "actor"), "--to-hf", str(tmp_path / name)])
     assert sorted(os.listdir(tmp_path)) == ["actor", "critic", "hf", "late", "link", "out", "out.tmp"]
     assert os.listdir(tmp_path / "late") == [] and os.path.islink(tmp_path / "link")
+    # a SIGTERM (a scheduler's) mid-export unwinds: no temporary directory is left, and the handler is put back
+    monkeypatch.setattr(reshard, "_save_file", lambda *a: os.kill(os.getpid(), signal.SIGTERM) or save(*a))
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        reshard.main([str(tmp_path / "actor"), "--to-hf", str(tmp_path / "killed")])
+    assert e.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == handler
+    assert sorted(os.listdir(tmp_path)) == ["actor", "critic", "hf", "late", "link", "out", "out.tmp"]
+
+
+def test_fp32_export_takes_the_master_weights(tmp_path):
+    """--dtype fp32 exports Adam's fp32 master weights where the checkpoint has them (after bf16 training they are
+    not the bf16 weights upcast); bf16 and the default take the weights as stored."""
+    path = helpers.make_checkpoint(str(tmp_path / "hf"), "llama", with_tokenizer=False)
+    m = load_model(path)
+    os.makedirs(ck := str(tmp_path / "ck"))
+    reshard.save_model_shard(m, Layout(), ck)
+    master = {n: p.detach() + 0.25 for n, p in m.named_parameters()}
+    reshard.save_model_shard(m, Layout(), ck, master, prefix="master")
+    json.dump({"step": 1, "tp": 1, "pp": 1, "dp": 1, "model_config": m.cfg.raw}, open(ck + "/meta.json", "w"))
+    want = load_file(os.path.join(path, "model.safetensors"))
+    for name, shift in (("fp32", 0.25), ("stored", 0.0), ("bf16", 0.0)):
+        reshard.main([ck, "--to-hf", str(tmp_path / name), *([] if name == "stored" else ["--dtype", name])])
+        got = load_file(str(tmp_path / name / "model-00001-of-00001.safetensors"))
+        assert set(got) == set(want)
+        assert all(torch.equal(got[n], (want[n] + shift).to(got[n].dtype)) for n in want), name
 
 
 def test_only_the_named_dp_rank_writes_a_shard(tmp_path):

@@ -2,6 +2,7 @@
 import itertools
 import json
 import logging
+import math
 import os
 import sys
 
@@ -398,7 +399,7 @@ def test_validation_metrics_names_and_values_as_verl():
     sources = ["g"] * 8 + ["d"] * 4
     uids = [0] * 4 + [1] * 4 + [2] * 4
     values = [{"reward": x} for x in (1, 0, 0, 0, 1, 1, 1, 0)] + [
-        {"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0}, {"reward": -1.0, "acc": 0.0}, {"reward": 1.0}]
+        {"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0}, {"reward": -1.0, "acc": 0.0}, {"reward": 1.0, "acc": math.nan}]
     preds = [None] * 8 + ["5", "6", "6", "5"]
     got = R.validation_metrics(sources, uids, values, preds)
     ks = [f"{w}@{k}/{s}" for k in (2, 4) for w in ("best", "worst") for s in ("mean", "std")]
@@ -411,7 +412,7 @@ def test_validation_metrics_names_and_values_as_verl():
     assert got["val-aux/g/reward/std@4"] == pytest.approx(np.sqrt(3 / 16))
     assert got["val-aux/g/reward/best@2/mean"] == pytest.approx(((1 - 9 / 16) + (1 - 1 / 16)) / 2)
     assert got["val-aux/g/reward/worst@2/mean"] == pytest.approx((1 / 16 + 9 / 16) / 2)
-    # "d": acc is given by 3 of its 4 samples, so acc has n = 3 (k = 2, 3) and the reward n = 4
+    # "d": acc is given by 3 of its 4 samples (NaN: not given), so acc has n = 3 (k = 2, 3) and the reward n = 4
     assert got["val-core/d/acc/mean@3"] == pytest.approx(1 / 3)
     assert got["val-core/d/acc/best@3/mean"] == pytest.approx(1 - (2 / 3) ** 3)
     assert "val-core/d/acc/maj@3/mean" in got and "val-aux/d/acc/maj@2/mean" in got

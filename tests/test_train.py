@@ -1220,6 +1220,24 @@ def test_redone_step_replaces_its_published_checkpoint(small_synth, tmp_path):
     assert sorted(os.listdir(ckpts)) == ["latest", "step_1", "step_2"]
 
 
+def test_auto_resume_without_latest_takes_the_newest_checkpoint(small_synth, tmp_path):
+    """`latest` lost (deleted, or only the step_N directories copied): auto-resume continues from the newest step_N,
+    which is complete once published, instead of silently starting over and overwriting the run; `never` refuses."""
+    out = str(tmp_path / "run")
+    t = trainer(small_synth, out, "trainer.keep_last_k=3")
+    for s in (1, 2):
+        t.step = s
+        t.save_checkpoint()
+    os.remove(os.path.join(out, "checkpoints", "latest"))
+    r = trainer(small_synth, out, "trainer.resume=auto")
+    r.maybe_resume()
+    assert r.step == 2
+    with pytest.raises(ValueError, match=r"holds checkpoints of another run \(steps \[1, 2\]\)"):
+        trainer(small_synth, out, "trainer.resume=never").maybe_resume()
+    with pytest.raises(FileNotFoundError, match="'disable' is not a checkpoint directory .no meta.json.; expected au"):
+        trainer(small_synth, out, "trainer.resume=disable").maybe_resume()  # (verl's resume_mode value)
+
+
 def test_checkpoint_holds_the_tokenizer(small_synth, tmp_path):
     """A checkpoint carries the model's tokenizer files (reshard.py CKPT --to-hf copies them from there)."""
     out = str(tmp_path / "run")
