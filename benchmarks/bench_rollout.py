@@ -5,7 +5,8 @@ Random-weight Qwen2-shaped models (0.5B, 1.5B at B=256; 7B at B=128), 256-token 
 matmul weight once + the live rows' KV cache) at 4.8 TB/s, summed over the decode steps; prefill
 is not in the bound but is in our time ("decode only" takes it out: the same run's time less a
 prefill-only run's). `--workload nanovllm` is nano-vllm's benchmark: 256
-sequences, input and output lengths uniform in [100, 1024] (seed 0), EOS ignored.
+sequences, input and output lengths uniform in [100, 1024] (seed 0), EOS ignored. transformers.generate is timed
+warmed up (its second full-size call), with its default dynamic cache and with its static cache.
 
     python benchmarks/bench_rollout.py [--quick] [--skip-hf] [--models 0.5b,1.5b,7b] [--workload fixed|nanovllm]
                                        [--top-k K] [--top-p P] [--profile]
@@ -64,8 +65,10 @@ def hf_tok_s(hf_cfg: dict, prompts: list[list[int]], new: int) -> str:
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
               pad_token_id=0, eos_token_id=None)
     rates = []
-    for cache in (None, "static"):  # the default (dynamic) cache, then the static one, each timed on its second
-        try:                        # full-size call: the first warms up (and, for the static cache, compiles)
+    # the default (dynamic) cache, then the static one, each timed on its second full-size call: the first warms up
+    # (and, for the static cache, compiles for these shapes), as every call after it in a training run would be
+    for cache in (None, "static"):
+        try:
             with torch.no_grad():
                 hf.generate(ids, **kw, cache_implementation=cache)
                 _, dt = sync_time(lambda: hf.generate(ids, **kw, cache_implementation=cache))
