@@ -213,7 +213,7 @@ class TrainerConfig:
     val_before_train: bool = False
     output_dir: str = "outputs/run"
     resume: str = "auto"                # auto | never | PATH to a step_N directory
-    keep_last_k: int = 2
+    keep_last_k: int = 2                # checkpoints kept (<= 0: all), as verl's max_actor_ckpt_to_keep
     logger: list = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 0
     device: str = "auto"                # auto | cpu | cuda
