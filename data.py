@@ -15,6 +15,10 @@ torch.distributed needed. An invalid file is rebuilt; the kernel drops a dead bu
 **Sampling.** A fresh permutation per epoch from (seed, epoch), the tail too short for a batch dropped; the state is
 just (epoch, position), so a resumed run draws exactly the batches it would have drawn, also at an epoch boundary.
 
+**The rollout batch.** `Batch` holds one step's rollouts, the same on every rank: per sample its prompt and response
+ids, group (the prompt's dataset index), data source, ground truth and extra info, its response mask and the
+generator's log-probs, and the [B, R] or [B] tensors the step adds (scores, log-probs, values, advantages).
+
 **Packing.** Log-probs and updates run on unpadded concatenated sequences (`packed_inputs`) in micro-batches of at
 most `max_tokens` tokens. Data-parallel ranks should get about equal work (all wait for the slowest at the gradient
 all-reduce) and exactly equal micro-batch counts (collectives and the pipeline schedule run in lock-step). Greedy LPT
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import fcntl
 import glob
 import hashlib
@@ -41,6 +46,7 @@ import shutil
 import socket
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -376,6 +382,59 @@ class Sampler:
                                  "(data.train_files, data.seed or data.shuffle changed since the checkpoint); "
                                  "resuming would not continue the saved order")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+# ----------------------------------------------------------------------------- the rollout batch
+
+
+@dataclass
+class Batch:
+    """All rollouts of one step (identical on every rank). Per-token tensors are [B, R]."""
+    prompts: list                       # list[list[int]] per sample
+    responses: list                     # list[list[int]] per sample
+    index: torch.Tensor                 # [B] group id (the prompt's dataset index)
+    data_source: list
+    ground_truth: list
+    extra_info: list
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    tensors: dict = field(default_factory=dict)  # scores, old/ref log-probs, values, advantages, ...
+
+    @classmethod
+    def from_completions(cls, items: list[dict], completions: list, R: int) -> Batch:
+        src = [items[c.prompt_index] for c in completions]
+        mask, rlp = torch.zeros(len(completions), R), torch.zeros(len(completions), R)
+        for i, c in enumerate(completions):
+            mask[i, :len(c.token_ids)] = 1
+            rlp[i, :len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return cls([s["prompt_ids"] for s in src], [list(c.token_ids) for c in completions],
+                   torch.tensor([s["index"] for s in src], dtype=torch.long), [s["data_source"] for s in src],
+                   [s["ground_truth"] for s in src], [s["extra_info"] for s in src], mask, rlp)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, keep: list[int]) -> Batch:
+        return Batch.combine([self], lambda ts: ts[0][keep], lambda lists: [lists[0][i] for i in keep])
+
+    @staticmethod
+    def concat(batches: list[Batch]) -> Batch:
+        """The batches one after the other; a per-sample tensor that some lack (a scorer's extra missing from a whole
+        draw) is NaN there."""
+        keys = {k for b in batches for k in b.tensors}
+        for b in batches:
+            b.tensors.update({k: torch.full((len(b),), float("nan")) for k in keys - b.tensors.keys()})
+        return Batch.combine(batches, torch.cat, lambda lists: sum(lists, []))
+
+    @staticmethod
+    def combine(batches: list[Batch], tensors_fn, lists_fn) -> Batch:
+        """Field by field: every tensor (those in .tensors too) from tensors_fn(its values in `batches`),
+        every list from lists_fn(its values)."""
+        def one(vals):
+            if isinstance(vals[0], dict):
+                return {n: tensors_fn([v[n] for v in vals]) for n in vals[0]}
+            return tensors_fn(vals) if torch.is_tensor(vals[0]) else lists_fn(vals)
+        return Batch(**{f.name: one([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(Batch)})
 
 
 # ----------------------------------------------------------------------------- packing

@@ -183,6 +183,14 @@ class ModelConfig:
     def head_cost(self) -> float:  # the LM head in layers' worth of matrix FLOPs, for parallel.stage_layers
         return self.vocab_size * self.hidden_size / self.layer_params
 
+    def forward_flops(self, seq_lens: list[int], scored_tokens: float) -> float:
+        """FLOPs of one forward pass over sequences of these lengths (a backward costs twice as much): 2 per matrix
+        weight and token, the LM head only on the `scored_tokens` whose logits are used, plus causal attention,
+        2 * layers * heads * head_dim * length^2 (QK^T and PV over half the square each)."""
+        head, tokens = self.vocab_size * self.hidden_size, float(sum(seq_lens))
+        return 2 * ((self.num_params(with_embedding=False) - head) * tokens + head * scored_tokens) \
+            + 2 * self.num_layers * self.num_heads * self.head_dim * float(sum(s * s for s in seq_lens))
+
 
 # ----------------------------------------------------------------------------- building blocks
 

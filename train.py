@@ -51,7 +51,8 @@ import yaml
 from tqdm import tqdm
 
 import algorithms as alg
-from data import TRUNCATIONS, PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows, write_text
+from data import (TRUNCATIONS, Batch, PromptDataset, Sampler, dp_micro_batches, fsync, load_tokenizer, scatter_rows,
+                  write_text)
 from model import ModelConfig, load_model, read_json
 from parallel import (ShardedAdamW, all_gather_objects, init_distributed, lr_at, make_layout, pipeline_forward_backward,
                       shard_name, validate_layout, vocab_parallel_logprobs, world_all_reduce, world_barrier)
@@ -382,50 +383,6 @@ def timed(metrics: dict, name: str):
         metrics[f"{key}/{name}"] = max(metrics.get(f"{key}/{name}", 0.0), torch.cuda.max_memory_allocated() / 2 ** 30)
 
 
-# ----------------------------------------------------------------------------- the batch
-
-
-@dataclass
-class Batch:
-    """All rollouts of one step (identical on every rank). Per-token tensors are [B, R]."""
-    prompts: list                       # list[list[int]] per sample
-    responses: list                     # list[list[int]] per sample
-    index: torch.Tensor                 # [B] group id (the prompt's dataset index)
-    data_source: list
-    ground_truth: list
-    extra_info: list
-    response_mask: torch.Tensor
-    rollout_log_probs: torch.Tensor
-    tensors: dict = field(default_factory=dict)  # scores, old/ref log-probs, values, advantages, ...
-
-    @classmethod
-    def from_completions(cls, items: list[dict], completions: list, R: int) -> Batch:
-        src = [items[c.prompt_index] for c in completions]
-        mask, rlp = torch.zeros(len(completions), R), torch.zeros(len(completions), R)
-        for i, c in enumerate(completions):
-            mask[i, :len(c.token_ids)] = 1
-            rlp[i, :len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return cls([s["prompt_ids"] for s in src], [list(c.token_ids) for c in completions],
-                   torch.tensor([s["index"] for s in src], dtype=torch.long), [s["data_source"] for s in src],
-                   [s["ground_truth"] for s in src], [s["extra_info"] for s in src], mask, rlp)
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def select(self, keep: list[int]) -> Batch:
-        return Batch.combine([self], lambda ts: ts[0][keep], lambda lists: [lists[0][i] for i in keep])
-
-    @staticmethod
-    def combine(batches: list[Batch], tensors_fn, lists_fn) -> Batch:
-        """Field by field: every tensor (those in .tensors too) from tensors_fn(its values in `batches`),
-        every list from lists_fn(its values)."""
-        def one(vals):
-            if isinstance(vals[0], dict):
-                return {n: tensors_fn([v[n] for v in vals]) for n in vals[0]}
-            return tensors_fn(vals) if torch.is_tensor(vals[0]) else lists_fn(vals)
-        return Batch(**{f.name: one([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(Batch)})
-
-
 # ----------------------------------------------------------------------------- losses
 
 
@@ -580,11 +537,7 @@ class Trainer:
             kept.append(batch.select(keep))
             num_prompts += len(keep) // n
         metrics["train/num_gen_batches"] = float(len(kept))
-        keys = {k for part in kept for k in part.tensors}  # a scorer's extra missing from a whole draw: NaN there
-        for part in kept:
-            part.tensors.update({k: torch.full((len(part),), float("nan")) for k in keys - part.tensors.keys()})
-        batch = Batch.combine(kept, torch.cat, lambda lists: sum(lists, []))  # concatenate
-        return batch.select(list(range(cfg.data.train_batch_size * n))), metrics
+        return Batch.concat(kept).select(list(range(cfg.data.train_batch_size * n))), metrics
 
     # --- forward passes and updates in the training layout
     def forward_only(self, role: Role, batch: Batch, values: bool = False) -> torch.Tensor:
@@ -684,15 +637,18 @@ class Trainer:
         resp_len, plen = batch.response_mask.sum(-1), torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
         tokens = float(resp_len.sum() + plen.sum())
         adv, ret = (T["advantages"][valid], T["returns"][valid]) if valid.any() else (torch.zeros(1), torch.zeros(1))
+        values = T["values"][valid] if "values" in T and valid.any() else None  # PPO's critic
         m = {f"{k}/{stat}": float(getattr(x.float(), stat)()) for stat in ("mean", "max", "min") for k, x in (
             ("critic/score", scores), ("critic/rewards", rewards.sum(-1)), ("critic/advantages", adv),
-            ("critic/returns", ret), ("response_length", resp_len), ("prompt_length", plen))}
+            ("critic/returns", ret), ("response_length", resp_len), ("prompt_length", plen),
+            *([("critic/values", values)] if values is not None else []))}
         m.update({"response_length/clip_ratio": (resp_len >= cfg.data.max_response_length).float().mean().item(),
+                  "prompt_length/clip_ratio": (plen >= cfg.data.max_prompt_length).float().mean().item(),
                   "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["timing_s/step"] / self.world})
-        # a GPU's actor update FLOPs per epoch: 6 per weight and token (LM head: response tokens only) + attention
-        attn = 6 * 2 * c.num_layers * c.num_heads * c.head_dim * float(((resp_len + plen) ** 2).sum()) / 2
-        head = c.vocab_size * c.hidden_size
-        flops = (6 * ((c.num_params(with_embedding=False) - head) * tokens + head * float(resp_len.sum())) + attn)
+        if values is not None:  # verl's: the share of the returns' variance that the values explain
+            m["critic/vf_explained_var"] = float(1 - (ret - values).var() / (ret.var() + 1e-5))
+        # a GPU's actor update FLOPs per epoch: a forward and a backward (twice the forward) of every sequence
+        flops = 3 * c.forward_flops((resp_len + plen).tolist(), float(resp_len.sum()))
         m["perf/mfu/actor"] = flops * cfg.actor.ppo_epochs / self.world / max(timing["timing_s/update_actor"], 1e-9) \
             / (cfg.trainer.peak_tflops * 1e12)
         if self.device.type == "cuda":

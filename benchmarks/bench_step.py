@@ -55,9 +55,8 @@ def bound_seconds(cfg: ModelConfig, B: int, P: int, R: int, world: int) -> tuple
     weights = cfg.num_params(with_embedding=False) * 2
     kv = KVCache.bytes_per_token(cfg, cfg.num_layers, 1, torch.bfloat16) * B * (P * R + R * (R - 1) // 2)
     gen = (weights * R * world + kv) / 4.8e12 / world  # every replica reads all weights; KV is split
-    tokens, head = B * (P + R), cfg.vocab_size * cfg.hidden_size  # the LM head runs on the R response tokens only
-    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * B * (P + R) ** 2  # causal QK^T + PV, forward
-    flops = (2 + 6) * ((cfg.num_params(with_embedding=False) - head) * tokens + head * B * R) + 4 * attn
+    # the LM head runs on the R response tokens only; with checkpointing, a forward, its recompute and a backward
+    flops = 4 * cfg.forward_flops([P + R] * B, B * R)
     return gen, flops / 989e12 / world
 
 

@@ -1173,6 +1173,28 @@ def test_batch_metrics_by_hand(small_synth, tmp_path, epochs):
     assert got["perf/mfu/actor"] == pytest.approx(want, rel=1e-6)
 
 
+
+def test_critic_value_metrics_and_prompt_clip_ratio(small_synth, tmp_path):
+    """PPO (gae): critic/values/* over the response tokens, and verl's vf_explained_var = 1 - Var(returns - values) /
+    (Var(returns) + 1e-5), from the batch's own values and returns; prompt_length/clip_ratio is the share of prompts
+    at max_prompt_length (the synthetic prompts all have one length: 1 with the limit there, 0 above it)."""
+    common = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=gae", "rollout.n=1")
+    t = trainer(small_synth, tmp_path / "a", *common)
+    n = len(t.train_data[0]["prompt_ids"])
+    got, batch = step_with_batch(t)
+    mask = batch.response_mask.bool()
+    values, returns = batch.tensors["values"][mask].double(), batch.tensors["returns"][mask].double()
+    assert got["critic/values/mean"] == pytest.approx(float(values.mean()), rel=1e-5)
+    assert got["critic/values/min"] == pytest.approx(float(values.min()), rel=1e-5)
+    assert got["critic/values/max"] == pytest.approx(float(values.max()), rel=1e-5)
+    var = lambda x: float(((x - x.mean()) ** 2).sum() / (len(x) - 1))  # noqa: E731 - unbiased, as torch.var
+    assert got["critic/vf_explained_var"] == pytest.approx(1 - var(returns - values) / (var(returns) + 1e-5), abs=1e-6)
+    assert got["prompt_length/clip_ratio"] == 0.0
+    got, _ = step_with_batch(trainer(small_synth, tmp_path / "b", *common, f"data.max_prompt_length={n}"))
+    assert got["prompt_length/clip_ratio"] == 1.0
+    assert "critic/values/mean" not in step_with_batch(trainer(small_synth, tmp_path / "c", *common[:2]))[0]  # GRPO
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
