@@ -212,6 +212,7 @@ class TrainerConfig:
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = False
+    val_only: bool = False              # validate (a checkpoint: with trainer.resume) and stop, as verl
     output_dir: str = "outputs/run"
     resume: str = "auto"                # auto | never | PATH to a step_N directory
     keep_last_k: int = 2                # checkpoints kept (<= 0: all), as verl's max_actor_ckpt_to_keep
@@ -345,6 +346,8 @@ def load_config(path: str, overrides: list[str] = ()) -> Config:
     if d.gen_batch_size not in (0, d.train_batch_size) and not cfg.algorithm.filter_groups.enable:
         raise ValueError(f"{src('data.gen_batch_size')}: data.gen_batch_size={d.gen_batch_size} differs from data."
                          "train_batch_size, which only DAPO's dynamic sampling allows (algorithm.filter_groups.enable)")
+    if cfg.trainer.val_only and not d.val_files:
+        raise ValueError(f"{src('trainer.val_only')}: trainer.val_only needs data.val_files to validate on")
     if (est := cfg.algorithm.adv_estimator) in ("grpo", "rloo", "reinforce_plus_plus_baseline") and cfg.rollout.n < 2:
         raise ValueError(f"{src('algorithm.adv_estimator', 'rollout.n')}: algorithm.adv_estimator={est} compares "
                          f"the rollout.n responses of a prompt; rollout.n={cfg.rollout.n} must be >= 2")
@@ -767,14 +770,16 @@ class Trainer:
     def fit(self) -> None:
         tc = self.cfg.trainer
         self.maybe_resume()  # first: a refused output_dir keeps its config.yaml
-        if self.rank == 0:
+        if self.rank == 0 and not tc.val_only:  # (a val-only run leaves the run's own config)
             write_text(os.path.join(self.out, "config.yaml"),
                        yaml.safe_dump(dataclasses.asdict(self.cfg), sort_keys=False))
         logger, stop = Logger(self.cfg, self.rank, self.step, self.saved_row), {"sigterm": False}
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
         try:
-            if self.val_data is not None and tc.val_before_train and self.step == 0:
+            if self.val_data is not None and (tc.val_before_train and self.step == 0 or tc.val_only):
                 logger.log(self.step, self.validate())
+            if tc.val_only:
+                return
             bar = tqdm(total=tc.total_steps, initial=self.step, disable=self.rank > 0, desc="steps", dynamic_ncols=True)
             while self.step < tc.total_steps:
                 metrics = self.train_step()
@@ -791,6 +796,7 @@ class Trainer:
                 extra = sum(metrics.get(f"timing_s/{k}", 0.0) for k in ("testing", "save_checkpoint"))  # in verl's step
                 metrics["perf/throughput"] *= metrics["timing_s/step"] / (metrics["timing_s/step"] + extra)
                 metrics["timing_s/step"] += extra
+                metrics["perf/time_per_step"] = metrics["timing_s/step"]  # (verl logs both)
                 logger.log(self.step, metrics)
                 bar.update(1)
                 if sigterm:

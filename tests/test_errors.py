@@ -364,6 +364,9 @@ CASES = [
     Case("config-gen-batch-without-dapo", "data.gen_batch_size=48 without filter_groups",
          _cfg("data.gen_batch_size=48"), ValueError, r"override 'data\.gen_batch_size=48': data\.gen_batch_size=48 "
          r"differs from data\.train_batch_size, which only DAPO's dynamic sampling allows"),
+    Case("config-val-only-without-val-files", "trainer.val_only=true with no data.val_files",
+         _cfg("trainer.val_only=true", "data.val_files=[]"), ValueError,
+         r"override 'trainer\.val_only=true': trainer\.val_only needs data\.val_files to validate on"),
     Case("config-wrong-type", "actor.ppo_epochs=two", _cfg("actor.ppo_epochs=two"), TypeError,
          r"override 'actor\.ppo_epochs=two': actor\.ppo_epochs must be int, got 'two'"),
     Case("config-wrong-bool", "data.shuffle=maybe", _cfg("data.shuffle=maybe"), TypeError,

@@ -169,8 +169,8 @@ def test_entropy_is_pi_olds_aggregated_as_the_loss(synth, tmp_path):
 
 
 def test_step_time_and_throughput_include_validation_and_checkpointing(synth, tmp_path, monkeypatch):
-    """As verl's: timing_s/step covers the step's validation and checkpoint save (each made to take > 2.5 s here,
-    longer than the rest of a step), and perf/throughput is the step's tokens over that time (one process)."""
+    """As verl's: timing_s/step (and perf/time_per_step) covers the step's validation and checkpoint save (each made
+    to take > 2.5 s here, longer than the rest of a step), and perf/throughput is the step's tokens over that time."""
     for name in ("validate", "save_checkpoint"):
         slow = lambda self, *a, f=getattr(train.Trainer, name): time.sleep(2.5) or f(self, *a)  # noqa: E731
         monkeypatch.setattr(train.Trainer, name, slow)
@@ -179,6 +179,7 @@ def test_step_time_and_throughput_include_validation_and_checkpointing(synth, tm
     assert last["timing_s/step"] > last["timing_s/testing"] + last["timing_s/save_checkpoint"] > 5
     for r in (plain, last):
         assert abs(r["perf/throughput"] * r["timing_s/step"] / r["perf/total_num_tokens"] - 1) < 1e-9
+        assert r["perf/time_per_step"] == r["timing_s/step"]
 
 
 def test_dapo_refill_keeps_groups_apart(synth, tmp_path):
@@ -1286,6 +1287,21 @@ def test_last_step_validates_and_saves(small_synth, tmp_path):
     key = "val-core/synthetic/copy/reward/mean@1"
     assert [key in r for r in rows] == [False, True, True]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_2", "step_3"]
+
+
+def test_val_only_validates_a_checkpoint_and_trains_nothing(small_synth, tmp_path):
+    """trainer.val_only with trainer.resume=PATH into a new output_dir: one metrics line, at the checkpoint's step, the
+    validation of the checkpoint's weights (greedy: the training run's own figure at that step), no training step,
+    no checkpoint; the training run's directory is left as it was."""
+    train_out, eval_out = str(tmp_path / "train"), str(tmp_path / "eval")
+    common = ("data.val_max_samples=4", *SMALL)
+    rows = run(small_synth, train_out, "trainer.total_steps=2", "trainer.save_freq=2", "trainer.test_freq=2", *common)
+    before = sorted(os.listdir(train_out))
+    got = run(small_synth, eval_out, "trainer.val_only=true", f"trainer.resume={train_out}/checkpoints/step_2", *common)
+    key = "val-core/synthetic/copy/reward/mean@1"
+    assert [r["step"] for r in got] == [2] and got[0][key] == rows[-1][key]
+    assert not any(k.startswith(("actor/", "timing_s/")) for k in got[0])
+    assert "checkpoints" not in os.listdir(eval_out) and sorted(os.listdir(train_out)) == before
 
 
 def test_val_before_train_only_on_a_fresh_run(small_synth, tmp_path):
