@@ -25,7 +25,7 @@ METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
            "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
-VOLATILE = ("timing_s/", "perf/throughput", "perf/mfu", "perf/max_memory")  # (a save step has its own phase's)
+VOLATILE = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/mfu", "perf/max_memory")  # (a save step has its own phase's)
 
 
 @pytest.fixture(scope="module")
