@@ -581,12 +581,13 @@ class Trainer:
                 role.optim.reduce_gradients()
                 gnorm = role.optim.clip_grad_norm(o.grad_clip)
                 if not math.isfinite(gnorm):  # every rank sees the same all-reduced norm: all skip together
-                    self.nonfinite_skips, skipped = self.nonfinite_skips + 1, skipped + 1
+                    self.nonfinite_skips += 1
                     if self.nonfinite_skips > cfg.trainer.max_nonfinite_skips:
                         raise FloatingPointError(f"non-finite {name} grad norm {gnorm} at step {self.step + 1}, "
                                                  f"over trainer.max_nonfinite_skips={cfg.trainer.max_nonfinite_skips}")
                     print(f"[nanorl] step {self.step + 1}: non-finite {name} grad norm; step skipped", file=sys.stderr)
                     role.optim.zero_grad()
+                    skipped += 1
                     continue
                 role.optim.step(lr)
                 # summed over micro-batches, then the world (as objects: other ranks do not know the metric names)
@@ -669,7 +670,9 @@ class Trainer:
             items = vd.get_batch(idx[start:start + cfg.data.val_batch_size].tolist())
             batch = self.generate(items, seed=cfg.trainer.seed + start, val=True)  # a seed per batch, each validation
             scores, ext, _, texts, batch_preds = self.score(batch)
-            sources, uids, preds = sources + batch.data_source, uids + batch.index.tolist(), preds + batch_preds
+            sources += batch.data_source
+            uids += batch.index.tolist()
+            preds += batch_preds
             values += [{"reward": float(x), **{k: float(v[i]) for k, v in ext.items()}} for i, x in enumerate(scores)]
             records += [{"prompt": self.tokenizer.decode(batch.prompts[i]), "response": texts[i],
                          "ground_truth": batch.ground_truth[i], "score": float(scores[i])}
@@ -732,8 +735,9 @@ class Trainer:
                 raise ValueError(f"trainer.output_dir {self.out!r} holds checkpoints of another run (steps {saved}); "
                                  f"resume it with trainer.resume=auto, or use a new output_dir")
             return
-        n = read_json(latest, int) if os.path.isfile(latest) else saved[-1] if saved else None  # `latest` holds N,
-        path = os.path.join(root, f"step_{n}") if r == "auto" else r  # else (lost; a first save cut off) the newest
+        path = r  # auto: `latest` holds N; without it (lost, or a first save cut off before it) the newest step_N
+        if r == "auto":
+            path = os.path.join(root, f"step_{read_json(latest, int) if os.path.isfile(latest) else saved[-1]}")
         if not os.path.isfile(os.path.join(path, "meta.json")):
             raise FileNotFoundError(f"trainer.resume: {path!r} is not a checkpoint directory (no meta.json); "
                                     "expected auto, never or the path of a checkpoints/step_N directory")
