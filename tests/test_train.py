@@ -259,6 +259,26 @@ def test_layouts_agree_with_dp2(synth, tmp_path, layout):
         assert abs(dp[0][k] - other[0][k]) <= 1e-5 * max(1.0, abs(dp[0][k])), (k, dp[0][k], other[0][k])
 
 
+def _pred_scorer(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(len(solution_str) % 3), "acc": len(solution_str) % 3 == 0, "pred": solution_str[:1]}
+
+
+def _validate(rank, world, synth, out):
+    t = train.Trainer(train.load_config(CONFIG, overrides(synth, out, "rollout.val_n=4", "rollout.val_temperature=1.0",
+                                                          "data.val_max_samples=6")))
+    t.reward_fn = _pred_scorer
+    return t.validate()
+
+
+def test_validation_metrics_do_not_depend_on_the_number_of_processes(synth, tmp_path):
+    """Each rank scores samples r, r + W, ...; the values and the scorer's preds are gathered back into sample
+    order, so two processes report exactly the metrics one does (maj@k too, which a misplaced pred would change)."""
+    one = helpers.run_distributed(_validate, 1, synth, str(tmp_path / "one"))
+    two = helpers.run_distributed(_validate, 2, synth, str(tmp_path / "two"))
+    assert one[0] == two[0] == two[1]
+    assert "val-core/synthetic/copy/acc/maj@4/mean" in one[0] and 0 < one[0]["val-aux/synthetic/copy/reward/std@4"]
+
+
 def test_samples_do_not_depend_on_the_number_of_replicas(synth, tmp_path):
     """Each prompt's seed comes from its index in the whole batch: one process draws what two replicas draw. The
     per-GPU rates divide by the processes: perf/throughput = the batch's tokens / step time / world, and the MFU
