@@ -323,11 +323,15 @@ def _best_worst(v: np.ndarray, k: int) -> list[float]:
     return out
 
 
-def _majority(v: np.ndarray, votes: list, k: int, rng: np.random.Generator, draws: int = 1000) -> list[float]:
-    """Mean and std, over bootstrap draws of k samples, of the value of the majority vote's first sample; a tie goes
-    to the answer drawn first (verl's maj@k, which keeps the first-inserted of tied dict keys)."""
-    order = {}  # answer -> its id (by repr: any answer type is hashable so)
-    ids = np.array([order.setdefault(repr(p), len(order)) for p in votes])
+def _answer_ids(votes: list) -> np.ndarray:
+    """Each sample's answer as a small int, equal answers equal (by repr: any answer type is hashable so)."""
+    order = {}
+    return np.array([order.setdefault(repr(p), len(order)) for p in votes])
+
+
+def _majority(v: np.ndarray, ids: np.ndarray, k: int, rng: np.random.Generator, draws: int = 1000) -> list[float]:
+    """Mean and std, over bootstrap draws of k samples, of the value of the majority answer's (`ids`) first sample; a
+    tie goes to the answer drawn first (verl's maj@k, which keeps the first-inserted of tied dict keys)."""
     idx = rng.integers(len(v), size=(draws, k))
     pick = ids[idx]
     hit = pick[:, :, None] == np.arange(ids.max() + 1)  # [draws, k, answers]
@@ -361,15 +365,17 @@ def validation_metrics(data_sources: list[str], uids: list, values: list[dict[st
                     continue
                 got = {f"mean@{n}": float(v.mean()), **({f"std@{n}": float(v.std())} if n > 1 else {})}
                 votes = [preds[i] for i in rows] if preds else []  # (a prompt whose samples gave none: no maj@k)
+                ids = _answer_ids(votes) if any(p is not None for p in votes) else None
                 for k in [2 ** e for e in range(1, n.bit_length()) if 2 ** e < n] + [n] * (n > 1):
                     got.update(zip((f"{w}@{k}/{s}" for w in ("best", "worst") for s in ("mean", "std")),
                                    _best_worst(v, k)))
-                    if any(p is not None for p in votes):
-                        got.update(zip((f"maj@{k}/mean", f"maj@{k}/std"), _majority(v, votes, k, rng)))
+                    if ids is not None:
+                        got.update(zip((f"maj@{k}/mean", f"maj@{k}/std"), _majority(v, ids, k, rng)))
                 for name, x in got.items():
                     per_prompt.setdefault(name, []).append(x)
             at = {name: int(name.split("@")[1].split("/")[0]) for name in per_prompt}  # its n or k
+            n_max = max(at.values(), default=0)
             for name, xs in per_prompt.items():
-                core_metric = var == core and name.startswith(("mean", "maj", "best")) and at[name] == max(at.values())
+                core_metric = var == core and name.startswith(("mean", "maj", "best")) and at[name] == n_max
                 out[f"{'val-core' if core_metric else 'val-aux'}/{src}/{var}/{name}"] = float(np.mean(xs))
     return out

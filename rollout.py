@@ -65,6 +65,7 @@ if TRITON:
     import triton.language as tl
 
 MAX_STOP_IDS = 64  # capacity of the static stop-token buffer the decode graphs read
+MIN_TEMPERATURE = 1e-5  # below it (but 0, greedy) logits / T overflow fp32
 
 
 @dataclass
@@ -83,8 +84,8 @@ class SamplingParams:
         for k, want, ok in (
                 ("n", "an int >= 1", isinstance(self.n, int) and self.n >= 1),
                 ("temperature", "0 (greedy) or a finite number >= 1e-5 (below, logits / T overflow)",
-                 isinstance(self.temperature, (int, float)) and (self.temperature == 0 or 1e-5 <= self.temperature
-                                                                 < math.inf)),
+                 isinstance(self.temperature, (int, float))
+                 and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf)),
                 ("top_p", "a number in (0, 1]", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1),
                 ("top_k", "-1 or 0 (off) or >= 1", isinstance(self.top_k, int) and self.top_k >= -1),
                 ("max_new_tokens", "an int >= 1", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),

@@ -59,7 +59,7 @@ from parallel import (ShardedAdamW, all_gather_objects, init_distributed, lr_at,
 from reshard import (TOKENIZER_FILES, Resharder, collect_results, dispatch_prompts, load_into, read_shard,
                      save_model_shard, validate_generation_layout)
 from rewards import check_sources, load_reward_fn, score_batch, validation_metrics
-from rollout import Generator, SamplingParams, eos_token_ids
+from rollout import MIN_TEMPERATURE, Generator, SamplingParams, eos_token_ids
 
 # ----------------------------------------------------------------------------- config
 
@@ -243,7 +243,7 @@ AT_LEAST = {**dict.fromkeys(("data.train_batch_size", "data.val_batch_size", "da
                              "actor.max_tokens_per_micro_batch", "rollout.max_rows", "rollout.val_n",
                              "algorithm.kl_ctrl.horizon", "trainer.timeout_s"), 1), "rollout.top_k": -1,  # -1, 0: off
             "rollout.val_top_k": -1, "trainer.seed": 0, "critic.ppo_epochs": -1, "rollout.kv_cache_tokens": 0,
-            "data.gen_batch_size": 0, "rollout.temperature": 1e-5,  # (lower: logits / T overflow)
+            "data.gen_batch_size": 0, "rollout.temperature": MIN_TEMPERATURE,
             **dict.fromkeys(("actor.optim.lr", "critic.optim.lr", "rollout.val_temperature", "actor.clip_ratio_low",
                              "actor.clip_ratio_high", "critic.cliprange_value"), 0)}
 ABOVE = {"rollout.top_p": 0, "rollout.val_top_p": 0, "rollout.gpu_memory_fraction": 0,

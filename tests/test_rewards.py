@@ -383,13 +383,13 @@ def test_majority_of_k_matches_every_draw_enumerated():
     """maj@k by bootstrap against its exact expectation over every draw. Values 1 for answer "a", 0 for "b":
     at k = 2 a tie goes to the answer drawn first (0.5 here; 0.75 if "a" always won ties, 0.25 if "b")."""
     values, preds = np.array([1.0, 0.0]), ["a", "b"]
-    got = R._majority(values, preds, 2, np.random.default_rng(0), draws=20000)
+    got = R._majority(values, R._answer_ids(preds), 2, np.random.default_rng(0), draws=20000)
     assert got[0] == pytest.approx(0.5, abs=0.02) and got[1] == pytest.approx(0.5, abs=0.02)
     values = np.array([1.0, 0.0, 0.2, 0.8, 0.5])  # answers "x", "y", "y", "x", None: the winner's first draw counts
     preds = ["x", "y", "y", "x", None]
     for k in (2, 3, 4):
         exact = np.array([_maj_value(values, preds, d) for d in _all_draws(len(values), k)])
-        got = R._majority(values, preds, k, np.random.default_rng(1), draws=20000)
+        got = R._majority(values, R._answer_ids(preds), k, np.random.default_rng(1), draws=20000)
         assert got == pytest.approx([exact.mean(), exact.std()], abs=0.015), k
 
 
@@ -398,8 +398,8 @@ def test_validation_metrics_names_and_values_as_verl():
     (acc and pred given: acc is core, the reward aux) with 1 prompt x 4. Values worked by hand."""
     sources = ["g"] * 8 + ["d"] * 4
     uids = [0] * 4 + [1] * 4 + [2] * 4
-    values = [{"reward": x} for x in (1, 0, 0, 0, 1, 1, 1, 0)] + [
-        {"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0}, {"reward": -1.0, "acc": 0.0}, {"reward": 1.0, "acc": math.nan}]
+    values = [{"reward": x} for x in (1, 0, 0, 0, 1, 1, 1, 0)] + [{"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0},
+                                                                 {"reward": -1.0, "acc": 0.0}, {"reward": 1.0, "acc": math.nan}]
     preds = [None] * 8 + ["5", "6", "6", "5"]
     got = R.validation_metrics(sources, uids, values, preds)
     ks = [f"{w}@{k}/{s}" for k in (2, 4) for w in ("best", "worst") for s in ("mean", "std")]
