@@ -398,8 +398,9 @@ def test_validation_metrics_names_and_values_as_verl():
     (acc and pred given: acc is core, the reward aux) with 1 prompt x 4. Values worked by hand."""
     sources = ["g"] * 8 + ["d"] * 4
     uids = [0] * 4 + [1] * 4 + [2] * 4
-    values = [{"reward": x} for x in (1, 0, 0, 0, 1, 1, 1, 0)] + [{"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0},
-                                                                 {"reward": -1.0, "acc": 0.0}, {"reward": 1.0, "acc": math.nan}]
+    values = [{"reward": x} for x in (1, 0, 0, 0, 1, 1, 1, 0)]
+    values += [{"reward": 1.0, "acc": 1.0}, {"reward": -1.0, "acc": 0.0}, {"reward": -1.0, "acc": 0.0},
+               {"reward": 1.0, "acc": math.nan}]
     preds = [None] * 8 + ["5", "6", "6", "5"]
     got = R.validation_metrics(sources, uids, values, preds)
     ks = [f"{w}@{k}/{s}" for k in (2, 4) for w in ("best", "worst") for s in ("mean", "std")]
